@@ -1,0 +1,27 @@
+"""tf_gpipe: GPipe pipeline parallelism for TensorFlow 2 and Keras 3."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tf_gpipe",
+    version="0.1.0",
+    description="GPipe pipeline parallelism for TensorFlow 2 and Keras 3",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["tf_gpipe", "tf_gpipe.*"]),
+    python_requires=">=3.10",
+    # Tested with tensorflow 2.21.0, keras 3.15.1, numpy 2.4, absl-py 2.5 (Python 3.11).
+    # The re-materialization replay uses Keras 3's StatelessScope internals: keep keras < 3.16
+    # until a newer release is tested.
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "keras>=3.15,<3.16",
+        "numpy>=1.26,<3",
+        "absl-py>=2.1,<3",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        "bench": ["matplotlib>=3.8,<4"],
+        "dev": ["ruff>=0.6"],
+    },
+)

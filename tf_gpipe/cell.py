@@ -1,0 +1,108 @@
+"""A cell: a run of consecutive Keras layers that lives and runs on one device."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import keras
+import tensorflow as tf
+from keras.src import backend as _kbackend
+from keras.src.backend.common import global_state as _global_state
+
+__all__ = ["Cell"]
+
+
+@contextlib.contextmanager
+def _eager_build_scope(device: str) -> Iterator[None]:
+    """Create variables eagerly on ``device``, even from inside a trace.
+
+    Keras may first touch the model inside ``backend.compute_output_spec`` (a
+    scratch graph under a StatelessScope). Variables made there are initialized
+    later, outside any device scope, and land on the default device; building
+    under ``tf.init_scope`` with no stateless scope puts them where they belong.
+    """
+    saved = _global_state.get_global_attribute("stateless_scope")
+    _global_state.set_global_attribute("stateless_scope", None)
+    try:
+        with tf.init_scope(), tf.device(device):
+            yield
+    finally:
+        _global_state.set_global_attribute("stateless_scope", saved)
+
+
+def _layer_kwargs(layer: keras.layers.Layer, mask: Any, training: Optional[bool]) -> dict:
+    # Exactly the arguments keras.Sequential passes to each layer.
+    kwargs = {}
+    if getattr(layer, "_call_has_mask_arg", False):
+        kwargs["mask"] = mask
+    if getattr(layer, "_call_has_training_arg", False) and training is not None:
+        kwargs["training"] = training
+    return kwargs
+
+
+class Cell:
+    """Consecutive layers placed on one device.
+
+    Args:
+        index: position of the cell in the pipeline (0 = first stage).
+        layers: the Keras layers, applied in order as ``keras.Sequential`` does.
+        device: canonical TensorFlow device string.
+    """
+
+    def __init__(self, index: int, layers: Sequence[keras.layers.Layer], device: str):
+        self.index = index
+        self.layers: List[keras.layers.Layer] = list(layers)
+        self.device = device
+
+    def __repr__(self) -> str:
+        names = ", ".join(layer.name for layer in self.layers)
+        return f"Cell({self.index}, device={self.device!r}, layers=[{names}])"
+
+    @property
+    def trainable_variables(self) -> list:
+        out, seen = [], set()
+        for layer in self.layers:
+            for v in layer.trainable_variables:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
+    def build(self, spec: Any) -> Any:
+        """Build every layer on this cell's device; return the output spec (KerasTensors)."""
+        with _eager_build_scope(self.device):
+            x, mask = spec, None
+            for layer in self.layers:
+                try:
+                    x = layer(x, **_layer_kwargs(layer, mask, None))
+                except Exception as e:  # name the layer: the traceback alone is hard to read
+                    raise type(e)(
+                        f"tf_gpipe: building layer {layer.name!r} of stage {self.index} "
+                        f"on inputs {spec} failed: {e}"
+                    ) from e
+                mask = tf.nest.map_structure(_kbackend.get_keras_mask, x)
+        return x
+
+    def call(self, inputs: Any, mask: Any, training: Optional[bool]) -> Tuple[Any, Any]:
+        """Apply the layers in order; return ``(outputs, mask)`` as keras.Sequential would."""
+        x = inputs
+        if mask is not None:
+            _attach_mask(x, mask)
+        for layer in self.layers:
+            x = layer(x, **_layer_kwargs(layer, mask, training))
+            mask = tf.nest.map_structure(_kbackend.get_keras_mask, x)
+        if all(m is None for m in tf.nest.flatten(mask)):
+            mask = None
+        return x, mask
+
+
+def _attach_mask(x: Any, mask: Any) -> None:
+    xs, ms = tf.nest.flatten(x), tf.nest.flatten(mask)
+    if len(xs) == len(ms):
+        for t, m in zip(xs, ms):
+            if m is not None:
+                try:
+                    _kbackend.set_keras_mask(t, m)
+                except AttributeError:
+                    pass

@@ -1,0 +1,277 @@
+"""Run a cell once with its side effects recorded, and replay it exactly for the backward pass.
+
+Keras layers change state while they run: a Dropout draws its mask from a
+SeedGenerator whose state variable advances, BatchNormalization moves its
+statistics. ``tf.recompute_grad`` simply re-runs the layer, which draws new
+masks and applies every update a second time, so its gradients belong to a
+different forward pass. Here the forward pass runs under a recording
+``StatelessScope``: every variable write is captured, the value each written
+variable had before is kept (a few small tensors), and the writes are then
+applied once. The replay runs under a ``StatelessScope`` that maps each of those
+variables back to its old value and swallows the writes, so it reads exactly
+what the forward pass read, draws the same random numbers and changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
+
+from tf_gpipe.cell import Cell
+
+__all__ = ["is_recomputing", "Record", "forward", "backward", "checkpointed"]
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while tf_gpipe traces the backward-pass replay of a cell.
+
+    Custom layers with side effects that tf_gpipe cannot see (Python counters,
+    ``tf.random`` stateful ops, prints) can skip them during the replay. Keras
+    variable updates and ``keras.random`` draws need nothing: they are replayed
+    exactly.
+    """
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+class _RecordingScope(StatelessScope):
+    """A StatelessScope that also remembers which variables were written."""
+
+    def __init__(self, state_mapping=None):
+        super().__init__(state_mapping, collect_losses=True, initialize_variables=False)
+        self.written: dict = {}
+
+    def add_update(self, update):
+        self.written[id(update[0])] = update[0]
+        super().add_update(update)
+
+
+def _read(variable) -> tf.Tensor:
+    """The variable's value as stored (no autocast), honouring an enclosing StatelessScope."""
+    scope = get_stateless_scope()
+    if scope is not None:
+        value = scope.get_current_value(variable)
+        if value is not None:
+            return value
+    raw = getattr(variable, "_value", variable)
+    return tf.identity(raw)
+
+
+@dataclass
+class Record:
+    """What the backward pass of one (cell, micro-batch) needs from its forward pass."""
+
+    inputs: Any
+    mask: Any
+    outputs: Any
+    out_mask: Any
+    losses: List[tf.Tensor]
+    replay_state: List[Tuple[Any, tf.Tensor]] = field(default_factory=list)
+    tape: Optional[tf.GradientTape] = None  # set when the cell is not re-materialized
+    nonempty: Optional[tf.Tensor] = None
+
+
+def _run(cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty) -> Record:
+    with _RecordingScope() as scope:
+        outputs, out_mask = cell.call(inputs, mask, training)
+    written = list(scope.written.values())
+    before = [_read(v) for v in written]
+    for v, old in zip(written, before):
+        new = scope.get_current_value(v)
+        if nonempty is not None:  # an empty micro-batch (e.g. NaN batch statistics) changes nothing
+            new = tf.where(nonempty, new, old)
+        v.assign(new)
+    return Record(
+        inputs=inputs,
+        mask=mask,
+        outputs=outputs,
+        out_mask=out_mask,
+        losses=list(scope.losses),
+        replay_state=list(zip(written, before)),
+        nonempty=nonempty,
+    )
+
+
+def forward(
+    cell: Cell, inputs: Any, mask: Any, training: Optional[bool], remat: bool, nonempty=None
+) -> Record:
+    """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
+
+    With ``remat`` the intermediate activations are dropped and the backward pass
+    replays the cell; without it a tape keeps them.
+    """
+    with tf.device(cell.device):
+        if remat:
+            return _run(cell, inputs, mask, training, nonempty)
+        tape = tf.GradientTape()
+        with tape:
+            tape.watch(_float_tensors(inputs))
+            record = _run(cell, inputs, mask, training, nonempty)
+        record.tape = tape
+        return record
+
+
+def _float_tensors(structure: Any) -> List[tf.Tensor]:
+    return [
+        t
+        for t in tf.nest.flatten(structure)
+        if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
+    ]
+
+
+def _replay(cell: Cell, record: Record, training: Optional[bool]) -> Tuple[Any, List[tf.Tensor]]:
+    with _recomputing(), _RecordingScope(record.replay_state) as scope:
+        outputs, _ = cell.call(record.inputs, record.mask, training)
+    return outputs, list(scope.losses)
+
+
+def _mask_grad(g, nonempty):
+    if g is None or nonempty is None:
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.where(nonempty, g.values, tf.zeros_like(g.values)), g.indices, g.dense_shape
+        )
+    return tf.where(nonempty, g, tf.zeros_like(g))
+
+
+def backward(
+    cell: Cell,
+    record: Record,
+    output_grads: Sequence[Optional[tf.Tensor]],
+    loss_grads: Sequence[Optional[tf.Tensor]],
+    training: Optional[bool],
+    variables: Sequence[Any],
+    need_input_grads: bool = True,
+) -> Tuple[List[Optional[tf.Tensor]], List[Optional[tf.Tensor]]]:
+    """Gradients of one (cell, micro-batch) w.r.t. its float inputs and ``variables``.
+
+    ``output_grads`` follow ``tf.nest.flatten(record.outputs)``; ``loss_grads``
+    follow ``record.losses``. Returns ``(input_grads, variable_grads)`` with
+    input grads in the order of ``tf.nest.flatten(record.inputs)`` (None for
+    non-float inputs).
+    """
+    flat_in = tf.nest.flatten(record.inputs)
+    float_pos = [
+        i
+        for i, t in enumerate(flat_in)
+        if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
+    ]
+    arrived = [g for g in list(output_grads) + list(loss_grads) if g is not None]
+    with tf.device(cell.device):
+        if record.tape is None:
+            # The recomputation waits for the incoming gradient: run earlier, it would
+            # hold this cell's activations for the whole forward pass and save nothing.
+            with tf.control_dependencies(arrived):
+                replay_in = [tf.identity(flat_in[i]) for i in float_pos]
+            swapped = list(flat_in)
+            for i, t in zip(float_pos, replay_in):
+                swapped[i] = t
+            replay_record = Record(
+                inputs=tf.nest.pack_sequence_as(record.inputs, swapped),
+                mask=record.mask,
+                outputs=None,
+                out_mask=None,
+                losses=[],
+                replay_state=record.replay_state,
+            )
+            tape = tf.GradientTape()
+            with tape:
+                tape.watch(replay_in)
+                outputs, losses = _replay(cell, replay_record, training)
+            sources_in = replay_in
+        else:
+            tape, outputs, losses = record.tape, record.outputs, record.losses
+            sources_in = [flat_in[i] for i in float_pos]
+        targets, grads = [], []
+        for t, g in zip(list(tf.nest.flatten(outputs)) + list(losses), list(output_grads) + list(loss_grads)):
+            if g is not None and t is not None:
+                targets.append(t)
+                grads.append(g)
+        sources = (list(sources_in) if need_input_grads else []) + list(variables)
+        if targets and sources:
+            result = tape.gradient(
+                targets,
+                sources,
+                output_gradients=grads,
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
+            )
+        else:
+            result = [None] * len(sources)
+        n_in = len(sources_in) if need_input_grads else 0
+        input_grads: List[Optional[tf.Tensor]] = [None] * len(flat_in)
+        for i, g in zip(float_pos, result[:n_in]):
+            input_grads[i] = g
+        var_grads = [_mask_grad(g, record.nonempty) for g in result[n_in:]]
+    return input_grads, var_grads
+
+
+def checkpointed(
+    cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty=None
+) -> Tuple[Any, Any, List[tf.Tensor]]:
+    """Forward one (cell, micro-batch) so that any enclosing tape re-materializes it.
+
+    Used where the caller differentiates through ``PipelineModel.__call__`` (a
+    custom training loop, or a PipelineModel inside a bigger functional model).
+    Returns ``(outputs, out_mask, losses)``.
+    """
+    flat_in = tf.nest.flatten((inputs, mask))
+    tensor_pos = [i for i, t in enumerate(flat_in) if t is not None]
+    meta: dict = {}
+
+    @tf.custom_gradient
+    def run(*tensors):
+        full = [None] * len(flat_in)
+        for i, t in zip(tensor_pos, tensors):
+            full[i] = t
+        x, m = tf.nest.pack_sequence_as((inputs, mask), full)
+        record = forward(cell, x, m, training, remat=True, nonempty=nonempty)
+        flat_out = tf.nest.flatten((record.outputs, record.out_mask))
+        meta["structure"] = (record.outputs, record.out_mask)
+        meta["out_pos"] = [i for i, t in enumerate(flat_out) if t is not None]
+        meta["n_out"] = len(flat_out)
+        n_outputs = len(tf.nest.flatten(record.outputs))
+        result = [flat_out[i] for i in meta["out_pos"]] + list(record.losses)
+        n_losses = len(record.losses)
+
+        def grad(*dys, variables=None):
+            dys = list(dys)
+            out_grads: List[Optional[tf.Tensor]] = [None] * meta["n_out"]
+            for i, g in zip(meta["out_pos"], dys[: len(meta["out_pos"])]):
+                out_grads[i] = g
+            loss_grads = dys[len(meta["out_pos"]) :] if n_losses else []
+            in_grads, var_grads = backward(
+                cell,
+                record,
+                out_grads[:n_outputs],
+                loss_grads,
+                training,
+                list(variables or []),
+            )
+            in_flat = in_grads + [None] * (len(flat_in) - len(in_grads))
+            return [in_flat[i] for i in tensor_pos], var_grads
+
+        return result, grad
+
+    result = run(*[flat_in[i] for i in tensor_pos])
+    n_pos = len(meta["out_pos"])
+    full = [None] * meta["n_out"]
+    for i, t in zip(meta["out_pos"], result[:n_pos]):
+        full[i] = t
+    outputs, out_mask = tf.nest.pack_sequence_as(meta["structure"], full)
+    return outputs, out_mask, list(result[n_pos:])

@@ -1,0 +1,67 @@
+"""Partition a sequence of layers into consecutive cells (pipeline stages)."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, TypeVar
+
+__all__ = ["even_balance", "split_by_balance"]
+
+T = TypeVar("T")
+
+
+def even_balance(num_layers: int, num_stages: int) -> List[int]:
+    """Layers per stage for an even split by layer count; earlier stages take the remainder.
+
+    Example: ``even_balance(10, 4) == [3, 3, 2, 2]``.
+    """
+    if num_layers < 1:
+        raise ValueError(
+            "tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer."
+        )
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
+    if num_stages > num_layers:
+        raise ValueError(
+            f"tf_gpipe: num_stages={num_stages} is greater than the number of layers "
+            f"({num_layers}); every stage needs at least one layer. "
+            f"Use num_stages<={num_layers}, or split your layers more finely."
+        )
+    base, rem = divmod(num_layers, num_stages)
+    return [base + (1 if k < rem else 0) for k in range(num_stages)]
+
+
+def split_by_balance(
+    items: Sequence[T], num_stages: Optional[int], balance: Optional[Sequence[int]]
+) -> List[List[T]]:
+    """Cut ``items`` into consecutive groups: ``balance`` sizes if given, else an even split."""
+    n = len(items)
+    if balance is None:
+        if num_stages is None:
+            raise ValueError("tf_gpipe: pass num_stages (an even split) or balance (layers per stage).")
+        balance = even_balance(n, num_stages)
+    else:
+        balance = list(balance)
+        if n < 1:
+            even_balance(n, 1)  # raises the empty-layers error
+        if not balance or any((not isinstance(b, int)) or b < 1 for b in balance):
+            raise ValueError(
+                f"tf_gpipe: balance={balance} must be a list of positive integers "
+                "(layers per stage)."
+            )
+        if num_stages is not None and len(balance) != num_stages:
+            raise ValueError(
+                f"tf_gpipe: balance has {len(balance)} stages but num_stages={num_stages}; "
+                f"pass num_stages={len(balance)} or drop one of the two."
+            )
+        if sum(balance) != n:
+            suggestion = even_balance(n, len(balance)) if len(balance) <= n else None
+            hint = f" For example balance={suggestion}." if suggestion else ""
+            raise ValueError(
+                f"tf_gpipe: balance={balance} sums to {sum(balance)} but there are {n} layers; "
+                f"the entries must add up to the number of layers.{hint}"
+            )
+    groups, start = [], 0
+    for size in balance:
+        groups.append(list(items[start : start + size]))
+        start += size
+    return groups
