@@ -163,6 +163,10 @@ class PipelineModel(keras.Model):
         )
         # XLA would fuse every stage into one cluster on one device: keep it off.
         self.supports_jit = False
+        # Like keras.Sequential: inputs reach the first layer in their own dtype (no cast
+        # to this model's policy), so float64 or int inputs stay as they are.
+        self._convert_input_args = False
+        self._allow_non_tensor_positional_args = True
         self._build_spec = None
         if spec is not None:
             self._build_cells(_spec_from(spec))
@@ -234,6 +238,9 @@ class PipelineModel(keras.Model):
 
     # ------------------------------------------------------------------ running
     def _split(self, inputs: Any, mask: Any):
+        inputs = tf.nest.map_structure(
+            lambda t: t if t is None or tf.is_tensor(t) else tf.convert_to_tensor(t), inputs
+        )
         joint = microbatch.split((inputs, mask), self.num_micro_batches)
         xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
         return xs, [c[1] for c in joint.chunks]

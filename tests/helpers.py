@@ -1,0 +1,51 @@
+"""Shared builders for the equivalence tests: the same layers, split and unsplit."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_gpipe
+
+
+def mlp_layers(seed=0, width=12, depth=5, out=3, dtype=None, extra=()):
+    """Fresh layers with deterministic initial weights."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.layers.Dense(width, activation="tanh", dtype=dtype) for _ in range(depth)]
+    layers.extend(extra)
+    layers.append(keras.layers.Dense(out, dtype=dtype))
+    return layers
+
+
+def pair(make_layers, input_shape, input_dtype=None, **pipeline_kwargs):
+    """A built keras.Sequential and a PipelineModel of identical layers and weights."""
+    if input_dtype is None:
+        seq = keras.Sequential(make_layers())
+        seq.build(input_shape)
+    else:  # an explicit Input keeps keras.Sequential from casting inputs to float32
+        seq = keras.Sequential([keras.Input(input_shape[1:], dtype=input_dtype)] + make_layers())
+    pm = tf_gpipe.PipelineModel(make_layers(), **pipeline_kwargs)
+    pm.build(input_shape)
+    pm.set_weights(seq.get_weights())
+    return seq, pm
+
+
+def data(n, d=8, classes=3, seed=0, dtype="float32"):
+    rng = np.random.RandomState(seed)
+    return rng.randn(n, d).astype(dtype), rng.randint(0, classes, n)
+
+
+def assert_all_close(a_list, b_list, rtol=1e-5, atol=1e-5):
+    a_list, b_list = list(a_list), list(b_list)
+    assert len(a_list) == len(b_list)
+    for a, b in zip(a_list, b_list):
+        a = tf.convert_to_tensor(a) if not isinstance(a, np.ndarray) else a
+        b = tf.convert_to_tensor(b) if not isinstance(b, np.ndarray) else b
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def loss_and_grads(model, x, y, training=True):
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with tf.GradientTape() as tape:
+        out = model(x, training=training)
+        loss = loss_fn(y, out)
+    return out, loss, tape.gradient(loss, model.trainable_variables)

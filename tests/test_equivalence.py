@@ -1,0 +1,230 @@
+"""The core property: a PipelineModel computes what keras.Sequential(layers) computes."""
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, data, loss_and_grads, mlp_layers, pair
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tf_gpipe
+
+REMATS = ["always", "except_last", "never"]
+
+
+@pytest.mark.parametrize("remat", REMATS)
+@pytest.mark.parametrize("K,M", list(itertools.product([1, 2, 3, 4], [1, 2, 3, 8])))
+def test_outputs_loss_gradients_match_unsplit(K, M, remat):
+    seq, pm = pair(mlp_layers, (None, 8), num_stages=K, num_micro_batches=M, remat=remat)
+    x, y = data(10)
+    o1, l1, g1 = loss_and_grads(seq, x, y)
+    o2, l2, g2 = loss_and_grads(pm, x, y)
+    assert_all_close([o1, l1], [o2, l2])
+    assert_all_close(g1, g2)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(
+    K=st.integers(1, 4),
+    M=st.integers(1, 9),
+    n=st.integers(1, 13),
+    remat=st.sampled_from(REMATS),
+    dtype=st.sampled_from(["float32", "float64"]),
+)
+def test_property_random_shapes_in_tf_function(K, M, n, remat, dtype):
+    keras.backend.clear_session()
+    tol = 1e-5 if dtype == "float32" else 1e-10
+    seq, pm = pair(
+        lambda: mlp_layers(dtype=dtype, depth=4),
+        (None, 8),
+        input_dtype=dtype,
+        num_stages=K,
+        num_micro_batches=M,
+        remat=remat,
+    )
+    x, y = data(n, dtype=dtype)
+    # A None batch dimension: micro-batch sizes are only known at run time.
+    spec = [tf.TensorSpec([None, 8], dtype), tf.TensorSpec([None], tf.int64)]
+    f1 = tf.function(lambda a, b: loss_and_grads(seq, a, b), input_signature=spec)
+    f2 = tf.function(lambda a, b: loss_and_grads(pm, a, b), input_signature=spec)
+    o1, l1, g1 = f1(x, y)
+    o2, l2, g2 = f2(x, y)
+    assert o2.dtype == tf.as_dtype(dtype)
+    assert_all_close([o1, l1], [o2, l2], rtol=tol, atol=tol)
+    assert_all_close(g1, g2, rtol=tol, atol=tol)
+
+
+FIT_CASES = [
+    # K, M, remat, batch_size (20 examples: uneven last batches)
+    (1, 1, "never", 8),
+    (2, 2, "always", 8),
+    (2, 8, "always", 6),  # last batch of 2 < M: empty micro-batches at run time
+    (3, 3, "except_last", 7),
+    (4, 8, "always", 20),
+    (4, 3, "never", 9),
+]
+
+
+@pytest.mark.parametrize("K,M,remat,batch_size", FIT_CASES)
+def test_fit_matches_unsplit(K, M, remat, batch_size):
+    seq, pm = pair(mlp_layers, (None, 8), num_stages=K, num_micro_batches=M, remat=remat)
+    x, y = data(20)
+    hist = []
+    for model in (seq, pm):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        h = model.fit(x, y, batch_size=batch_size, epochs=3, shuffle=False, verbose=0)
+        hist.append(h.history)
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(hist[0]["loss"], hist[1]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(hist[0]["accuracy"], hist[1]["accuracy"])
+    # One optimizer update per mini-batch, not one per micro-batch.
+    assert int(pm.optimizer.iterations) == int(seq.optimizer.iterations) == 3 * -(-20 // batch_size)
+    assert_all_close(
+        [seq.evaluate(x, y, verbose=0)[0]], [pm.evaluate(x, y, verbose=0)[0]], rtol=1e-5
+    )
+    assert_all_close([seq.predict(x, verbose=0)], [pm.predict(x, verbose=0)], rtol=1e-5, atol=1e-5)
+
+
+def test_fit_with_regularizers_and_sample_weights():
+    def make():
+        keras.utils.set_random_seed(3)
+        return [
+            keras.layers.Dense(10, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01)),
+            keras.layers.Dense(10, activation="relu", bias_regularizer=keras.regularizers.L1(0.01)),
+            keras.layers.Dense(3),
+        ]
+
+    seq, pm = pair(make, (None, 8), num_stages=3, num_micro_batches=4)
+    x, y = data(16)
+    w = np.linspace(0.1, 2.0, 16).astype("float32")
+    for model in (seq, pm):
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, sample_weight=w, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+class _SplitHeads(keras.layers.Layer):
+    """Several outputs, no compute_output_shape: Keras must trace it."""
+
+    def call(self, x):
+        return x[:, :4], x[:, 4:] * 2.0
+
+
+class _JoinHeads(keras.layers.Layer):
+    def call(self, parts):
+        a, b = parts
+        return keras.ops.concatenate([keras.ops.tanh(a), b], axis=-1)
+
+
+class _FromDict(keras.layers.Layer):
+    def call(self, inputs):
+        return keras.ops.concatenate([inputs["a"], inputs["b"] * 0.5], axis=-1)
+
+
+def test_multi_output_custom_layers_across_stages():
+    def make():
+        keras.utils.set_random_seed(5)
+        return [keras.layers.Dense(8), _SplitHeads(), _JoinHeads(), keras.layers.Dense(3)]
+
+    seq, pm = pair(make, (None, 8), num_stages=4, num_micro_batches=3)
+    x, y = data(7)
+    o1, l1, g1 = loss_and_grads(seq, x, y)
+    o2, l2, g2 = loss_and_grads(pm, x, y)
+    assert_all_close([o1, l1], [o2, l2])
+    assert_all_close(g1, g2)
+
+
+@pytest.mark.parametrize("remat", REMATS)
+def test_dict_inputs_fit(remat):
+    def make():
+        keras.utils.set_random_seed(9)
+        return [_FromDict(), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(3)]
+
+    rng = np.random.RandomState(2)
+    x = {"a": rng.randn(11, 3).astype("float32"), "b": rng.randn(11, 5).astype("float32")}
+    y = rng.randint(0, 3, 11)
+    seq = keras.Sequential(make())
+    seq(x)
+    pm = tf_gpipe.PipelineModel(make(), num_stages=3, num_micro_batches=4, remat=remat)
+    pm(x)
+    pm.set_weights(seq.get_weights())
+    for model in (seq, pm):
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_mask_flows_across_stages():
+    def make():
+        keras.utils.set_random_seed(4)
+        return [
+            keras.layers.Embedding(20, 6, mask_zero=True),
+            keras.layers.Dense(6, activation="tanh"),
+            keras.layers.GlobalAveragePooling1D(),  # uses the mask made two stages earlier
+            keras.layers.Dense(3),
+        ]
+
+    tokens = np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0], [6, 7, 8, 9, 1], [3, 0, 0, 0, 0]] * 2)
+    y = np.arange(8) % 3
+    seq = keras.Sequential(make())
+    seq(tokens)
+    pm = tf_gpipe.PipelineModel(make(), num_stages=3, num_micro_batches=3)
+    pm(tokens)
+    pm.set_weights(seq.get_weights())
+    o1, l1, g1 = loss_and_grads(seq, tokens, y)
+    o2, l2, g2 = loss_and_grads(pm, tokens, y)
+    assert_all_close([o1, l1], [o2, l2])
+    assert_all_close([tf.convert_to_tensor(g) for g in g1], [tf.convert_to_tensor(g) for g in g2])
+    # The mask really mattered: without it the pooled mean differs.
+    unmasked = tokens.copy()
+    assert not np.allclose(o1, seq(np.where(unmasked == 0, 1, unmasked)))
+
+
+def test_pipeline_as_layer_in_functional_model():
+    def build(pipelined):
+        layers = mlp_layers(seed=7, depth=3)
+        inp = keras.Input((8,))
+        h = keras.layers.Dense(8, name="pre")(inp)
+        if pipelined:
+            body = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=2)
+        else:
+            body = keras.Sequential(layers)
+        return keras.Model(inp, body(h))
+
+    keras.utils.set_random_seed(1)
+    plain = build(False)
+    piped = build(True)
+    piped.set_weights(plain.get_weights())
+    x, y = data(12)
+    for model in (plain, piped):
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    assert_all_close(plain.get_weights(), piped.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_custom_training_loop_one_update_per_step():
+    seq, pm = pair(mlp_layers, (None, 8), num_stages=4, num_micro_batches=4)
+    x, y = data(16)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for model in (seq, pm):
+        opt = keras.optimizers.Adam(0.01)
+
+        @tf.function
+        def step(a, b, model=model, opt=opt):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(b, model(a, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        for _ in range(3):
+            step(x, y)
+        assert int(opt.iterations) == 3
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
