@@ -26,7 +26,9 @@ def _grads_for(remat, x, y, in_function, K=3, M=4):
     keras.backend.clear_session()
     pm = tf_gpipe.PipelineModel(dropout_bn_layers(), num_stages=K, num_micro_batches=M, remat=remat)
     pm.build((None, 8))
-    fn = (lambda a, b: loss_and_grads(pm, a, b))
+    def fn(a, b):
+        return loss_and_grads(pm, a, b)
+
     if in_function:
         fn = tf.function(fn)
     out, loss, grads = fn(x, y)

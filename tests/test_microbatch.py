@@ -7,7 +7,9 @@ import tensorflow as tf
 from tf_gpipe import microbatch
 
 
-@pytest.mark.parametrize("n,M,sizes", [(10, 4, [3, 3, 2, 2]), (8, 8, [1] * 8), (3, 8, [1, 1, 1]), (7, 1, [7])])
+@pytest.mark.parametrize(
+    "n,M,sizes", [(10, 4, [3, 3, 2, 2]), (8, 8, [1] * 8), (3, 8, [1, 1, 1]), (7, 1, [7])]
+)
 def test_static_sizes_follow_array_split(n, M, sizes):
     x = tf.reshape(tf.range(n * 2), (n, 2))
     s = microbatch.split(x, M)

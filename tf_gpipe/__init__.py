@@ -1,10 +1,18 @@
 """tf_gpipe: GPipe pipeline parallelism for TensorFlow 2 and Keras 3."""
 
+from tf_gpipe import schedules, timeline
 from tf_gpipe.checkpoint import is_recomputing
 from tf_gpipe.devices import configure_virtual_cpus
 from tf_gpipe.model import PipelineModel
-from tf_gpipe.schedule import bubble_fraction
+from tf_gpipe.schedules import bubble_fraction
 
 __version__ = "0.1.0"
 
-__all__ = ["PipelineModel", "bubble_fraction", "configure_virtual_cpus", "is_recomputing"]
+__all__ = [
+    "PipelineModel",
+    "bubble_fraction",
+    "configure_virtual_cpus",
+    "is_recomputing",
+    "schedules",
+    "timeline",
+]

@@ -158,13 +158,15 @@ def backward(
     training: Optional[bool],
     variables: Sequence[Any],
     need_input_grads: bool = True,
+    tracer: Any = None,
 ) -> Tuple[List[Optional[tf.Tensor]], List[Optional[tf.Tensor]]]:
     """Gradients of one (cell, micro-batch) w.r.t. its float inputs and ``variables``.
 
     ``output_grads`` follow ``tf.nest.flatten(record.outputs)``; ``loss_grads``
     follow ``record.losses``. Returns ``(input_grads, variable_grads)`` with
     input grads in the order of ``tf.nest.flatten(record.inputs)`` (None for
-    non-float inputs).
+    non-float inputs). ``tracer``, a ``(Recorder, device, tag)`` triple, marks the
+    end of the recomputation on a timeline.
     """
     flat_in = tf.nest.flatten(record.inputs)
     float_pos = [
@@ -195,6 +197,13 @@ def backward(
                 tape.watch(replay_in)
                 outputs, losses = _replay(cell, replay_record, training)
             sources_in = replay_in
+            if tracer is not None:
+                recorder, device, tag = tracer
+                done = [t for t in tf.nest.flatten(outputs) + list(losses) if t is not None]
+                marker = recorder.marker("replayed " + tag, device, done)
+                with tf.control_dependencies([marker]):
+                    output_grads = [None if g is None else tf.identity(g) for g in output_grads]
+                    loss_grads = [None if g is None else tf.identity(g) for g in loss_grads]
         else:
             tape, outputs, losses = record.tape, record.outputs, record.losses
             sources_in = [flat_in[i] for i in float_pos]

@@ -31,11 +31,12 @@ class Split:
     def nonempty(self, m: int) -> Optional[tf.Tensor]:
         """A boolean tensor telling whether micro-batch ``m`` holds examples.
 
-        ``None`` when that is known while tracing (static sizes are never 0).
+        ``None`` when it is known while tracing to hold some.
         """
-        if self.static:
-            return None
-        return tf.greater(self.sizes[m], 0)
+        size = self.sizes[m]
+        if isinstance(size, int):
+            return None if size > 0 else tf.constant(False)
+        return tf.greater(size, 0)
 
 
 def _batch_tensors(structure: Any) -> List[tf.Tensor]:
@@ -58,7 +59,7 @@ def _batch_tensors(structure: Any) -> List[tf.Tensor]:
     return out
 
 
-def split(structure: Any, num_micro_batches: int) -> Split:
+def split(structure: Any, num_micro_batches: int, exact: bool = False) -> Split:
     """Cut every tensor of ``structure`` into ``num_micro_batches`` pieces along axis 0.
 
     The first ``n % M`` micro-batches get one example more than the others, as
@@ -67,12 +68,11 @@ def split(structure: Any, num_micro_batches: int) -> Split:
     When it is only known at run time (a ``None`` batch dimension inside
     ``tf.function``, as in ``model.fit``), there are always ``M`` micro-batches
     and the trailing ones may be empty; ``Split.nonempty`` tells the executor so
-    it can discard their side effects and gradients.
+    it can discard their side effects and gradients. With ``exact`` there are
+    always ``M`` micro-batches (a schedule fixed for M needs them), empty ones included.
     """
     if num_micro_batches < 1:
-        raise ValueError(
-            f"tf_gpipe: num_micro_batches must be >= 1, got {num_micro_batches}."
-        )
+        raise ValueError(f"tf_gpipe: num_micro_batches must be >= 1, got {num_micro_batches}.")
     flat = tf.nest.flatten(structure)
     tensors = _batch_tensors(structure)
     static_n = [t.shape[0] for t in tensors]
@@ -85,13 +85,13 @@ def split(structure: Any, num_micro_batches: int) -> Split:
     M = num_micro_batches
     if known:
         n = known[0]
-        m_eff = max(1, min(M, n))
+        m_eff = M if exact else max(1, min(M, n))
         base, rem = divmod(n, m_eff)
         sizes: List[Union[int, tf.Tensor]] = [base + (1 if i < rem else 0) for i in range(m_eff)]
-        static = n > 0
-        if not static:
+        static = n > 0 and all(sizes)
+        if n == 0 and not exact:
             sizes = [0]
-        pieces = [tf.split(t, sizes, axis=0) if n > 0 else [t] for t in tensors]
+        pieces = [tf.split(t, sizes, axis=0) if len(sizes) > 1 else [t] for t in tensors]
     else:
         n = tf.shape(tensors[0], out_type=tf.int32)[0]
         base = n // M

@@ -11,9 +11,10 @@ from keras.src import tree
 from keras.src.losses import loss as _loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from tf_gpipe import microbatch
+from tf_gpipe import microbatch, schedules
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
+from tf_gpipe.executor import accumulate, run_schedule
 from tf_gpipe.partition import split_by_balance
 from tf_gpipe.pipeline import REMAT_MODES, Pipeline
 
@@ -37,24 +38,31 @@ def _unpack_layers(layers: Any):
         layers = list(layers)
     except TypeError:
         raise TypeError(
-            f"tf_gpipe: `layers` must be a list of Keras layers or a keras.Sequential, got {type(layers).__name__}."
+            "tf_gpipe: `layers` must be a list of Keras layers or a keras.Sequential, "
+            f"got {type(layers).__name__}."
         ) from None
     if layers and isinstance(layers[0], keras.layers.InputLayer):
         first = layers.pop(0)
         spec = first.output
     for i, layer in enumerate(layers):
         if isinstance(layer, keras.layers.InputLayer):
-            raise ValueError(
-                f"tf_gpipe: layers[{i}] is an InputLayer; only the first layer may be one."
-            )
+            raise ValueError(f"tf_gpipe: layers[{i}] is an InputLayer; only the first layer may be one.")
         if not isinstance(layer, keras.layers.Layer):
             hint = ""
             if type(layer).__module__.startswith(("tf_keras", "tensorflow.python.keras")):
                 hint = " It is a tf.keras (Keras 2) layer; build it with `import keras` (Keras 3)."
-            raise TypeError(
-                f"tf_gpipe: layers[{i}] is {type(layer).__name__}, not a Keras layer.{hint}"
-            )
+            raise TypeError(f"tf_gpipe: layers[{i}] is {type(layer).__name__}, not a Keras layer.{hint}")
     return layers, spec
+
+
+def _is_float(t: Any) -> bool:
+    return t is not None and tf.as_dtype(t.dtype).is_floating
+
+
+def _to_tensors(structure: Any) -> Any:
+    return tf.nest.map_structure(
+        lambda t: t if t is None or tf.is_tensor(t) else tf.convert_to_tensor(t), structure
+    )
 
 
 def _spec_from(structure: Any) -> Any:
@@ -98,6 +106,15 @@ class PipelineModel(keras.Model):
         remat: ``"always"`` (re-materialize every stage), ``"except_last"`` (not
             the last stage, whose backward follows its forward at once) or
             ``"never"``.
+        schedule: the order each device runs its forwards and backwards in
+            ``fit``: ``"gpipe"`` (fill-drain; the loss sees the whole mini-batch),
+            ``"1f1b"`` (same bubble, at most K micro-batches in flight) or
+            ``"interleaved"`` (1F1B over ``virtual_stages`` chunks per device;
+            smaller bubble; needs ``num_micro_batches % num_stages == 0``). The
+            last two compute the loss per micro-batch, so it must reduce by
+            ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``.
+        virtual_stages: v, chunks per device for ``"interleaved"``: layers are cut
+            into ``num_stages * v`` cells and cell ``s`` runs on device ``s % K``.
         **kwargs: ``name``, ``trainable``, ``dtype`` as for any Keras model.
 
     Call arguments:
@@ -132,35 +149,49 @@ class PipelineModel(keras.Model):
         num_micro_batches: int = 1,
         devices: Optional[Sequence[str]] = None,
         remat: str = "always",
+        schedule: str = "gpipe",
+        virtual_stages: int = 1,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
         layer_list, spec = _unpack_layers(layers)
         if not layer_list:
-            raise ValueError(
-                "tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer."
-            )
-        if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+            raise ValueError("tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer.")
+        if (
+            isinstance(num_micro_batches, bool)
+            or not isinstance(num_micro_batches, int)
+            or num_micro_batches < 1
+        ):
             raise ValueError(
                 f"tf_gpipe: num_micro_batches must be an integer >= 1, got {num_micro_batches!r}; "
                 "GPipe's bubble is small once num_micro_batches >= 4 * num_stages."
             )
         if remat not in REMAT_MODES:
-            raise ValueError(
-                f"tf_gpipe: unknown remat mode {remat!r}; use one of {list(REMAT_MODES)}."
-            )
-        if num_stages is None and balance is None:
-            num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
-        groups = split_by_balance(layer_list, num_stages, balance)
-        self._devices_arg = None if devices is None else list(devices) if not isinstance(devices, str) else devices
-        resolved = resolve_devices(devices, len(groups))
+            raise ValueError(f"tf_gpipe: unknown remat mode {remat!r}; use one of {list(REMAT_MODES)}.")
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")
+        if num_stages is None:
+            if balance is not None:
+                num_stages = len(balance) // virtual_stages
+            else:
+                num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
+        # Validates the name, virtual_stages and M against the schedule before anything is built.
+        schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
+        groups = split_by_balance(layer_list, num_stages * virtual_stages, balance)
+        self._devices_arg = (
+            None if devices is None else list(devices) if not isinstance(devices, str) else devices
+        )
+        resolved = resolve_devices(devices, num_stages)
         self.num_micro_batches = num_micro_batches
         self.remat = remat
+        self.schedule = schedule
+        self.virtual_stages = virtual_stages
         self.balance = [len(g) for g in groups]
         self.stage_layers = layer_list  # tracked in order: weights ordered as keras.Sequential(layers)
-        self._pipeline = Pipeline(
-            [Cell(k, g, d) for k, (g, d) in enumerate(zip(groups, resolved))], remat
-        )
+        # Stage s runs on device s % K: with virtual stages each device holds every K-th chunk.
+        self._pipeline = Pipeline([Cell(s, g, resolved[s % num_stages]) for s, g in enumerate(groups)], remat)
+        self._num_devices = num_stages
+        self._tracer = None
         # XLA would fuse every stage into one cluster on one device: keep it off.
         self.supports_jit = False
         # Like keras.Sequential: inputs reach the first layer in their own dtype (no cast
@@ -174,12 +205,13 @@ class PipelineModel(keras.Model):
     # ------------------------------------------------------------------ properties
     @property
     def num_stages(self) -> int:
-        return len(self._pipeline.cells)
+        """K, the number of pipeline devices (cells number K * virtual_stages)."""
+        return self._num_devices
 
     @property
     def devices(self) -> List[str]:
-        """The device of each stage, canonical form."""
-        return [c.device for c in self._pipeline.cells]
+        """The device of each of the K pipeline positions, canonical form."""
+        return [c.device for c in self._pipeline.cells[: self._num_devices]]
 
     @property
     def cells(self) -> List[Cell]:
@@ -238,9 +270,7 @@ class PipelineModel(keras.Model):
 
     # ------------------------------------------------------------------ running
     def _split(self, inputs: Any, mask: Any):
-        inputs = tf.nest.map_structure(
-            lambda t: t if t is None or tf.is_tensor(t) else tf.convert_to_tensor(t), inputs
-        )
+        inputs = _to_tensors(inputs)
         joint = microbatch.split((inputs, mask), self.num_micro_batches)
         xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
         return xs, [c[1] for c in joint.chunks]
@@ -270,70 +300,123 @@ class PipelineModel(keras.Model):
         super().compile(*args, jit_compile=False, **kwargs)
 
     def train_step(self, data: Any) -> dict:
-        """One mini-batch: fill-drain forward, loss on the merged batch, explicit
-        backward stage by stage, gradients summed per device, one optimizer update."""
+        """One mini-batch: the schedule's forwards and backwards stage by stage,
+        gradients summed per device, one optimizer update, metrics on the whole batch."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x = _to_tensors(x)
         if not self.built:
             self._build_cells(_spec_from(x))
-        xs, masks = self._split(x, None)
-        pipe = self._pipeline
-        K = self.num_stages
-        records = pipe.forward(xs, masks, training=True)
-        outs = [records[m][K - 1].outputs for m in range(len(xs))]
-        flat_outs = [tf.nest.flatten(o) for o in outs]
-        cell_losses = [
-            ((m, k), i, loss)
-            for m, row in enumerate(records)
-            for k, rec in enumerate(row)
-            for i, loss in enumerate(rec.losses)
-        ]
+        exact = self.schedule != "gpipe"
+        joint = microbatch.split((x, y, sample_weight), self.num_micro_batches, exact=exact)
+        xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
+        plan = schedules.get(self.schedule, self.num_stages, len(xs), self.virtual_stages)
         trainable = self.trainable_weights
-        with tf.GradientTape() as tape:
-            watched = [t for f in flat_outs for t in f if t is not None and t.dtype.is_floating]
-            tape.watch(watched + [c[2] for c in cell_losses])
-            y_pred = microbatch.merge(outs)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+        opt = self.optimizer
+        unit = tf.constant(1.0) if opt is None else tf.convert_to_tensor(opt.scale_loss(tf.constant(1.0)))
+        batch_size = tf.shape(next(i for i in tree.flatten(x) if i is not None))[0]
+        state: dict = {"direct": [None] * len(trainable), "loss": []}
+
+        def batch_loss(outs):
+            # Fill-drain: every forward is done, so the loss sees the whole mini-batch,
+            # exactly as the unsplit model's does (any loss, any reduction).
+            flat = [tf.nest.flatten(o) for o in outs]
+            watched = [t for f in flat for t in f if _is_float(t)]
+            with tf.GradientTape() as tape:
+                tape.watch(watched)
+                y_pred = microbatch.merge(outs)
+                loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                scaled = loss if opt is None else opt.scale_loss(loss)
+            state["loss"].append(loss)
+            got = tape.gradient(
+                scaled, watched + list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
             )
-            if cell_losses:
-                loss = loss + tf.add_n([tf.cast(c[2], loss.dtype) for c in cell_losses])
-            self._loss_tracker.update_state(
-                _loss_module.unscale_loss_for_distribution(loss),
-                sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0],
-            )
-            if self.optimizer is not None:
-                loss = self.optimizer.scale_loss(loss)
-        sources = [t for f in flat_outs for t in f] + [c[2] for c in cell_losses] + list(trainable)
-        usable = [i for i, t in enumerate(sources) if t is not None and tf.as_dtype(t.dtype).is_floating]
-        got = tape.gradient(
-            loss, [sources[i] for i in usable], unconnected_gradients=tf.UnconnectedGradients.NONE
+            state["direct"] = got[len(watched) :]
+            it = iter(got[: len(watched)])
+            return [[next(it) if _is_float(t) else None for t in f] for f in flat]
+
+        def micro_loss(m, out):
+            _, y_m, sw_m = joint.chunks[m]
+            flat = tf.nest.flatten(out)
+            watched = [t for t in flat if _is_float(t)]
+            with tf.GradientTape() as tape:
+                tape.watch(watched)
+                value = self._micro_batch_loss(y_m, out, sw_m, joint.sizes[m], batch_size)
+                if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
+                    value = tf.reduce_sum(value)
+                nonempty = joint.nonempty(m)
+                if nonempty is not None:  # the mean over an empty micro-batch is NaN
+                    value = tf.where(nonempty, value, tf.zeros_like(value))
+                scaled = value if opt is None else opt.scale_loss(value)
+            state["loss"].append(value)
+            got = iter(tape.gradient(scaled, watched, unconnected_gradients=tf.UnconnectedGradients.NONE))
+            return [next(got) if _is_float(t) else None for t in flat]
+
+        outs, totals, cell_losses = run_schedule(
+            plan,
+            self._pipeline.cells,
+            xs,
+            [None] * len(xs),
+            self._pipeline.rematerializes,
+            batch_loss=batch_loss if not exact else None,
+            micro_loss=micro_loss if exact else None,
+            cell_loss_grad=unit,
+            tracer=self._tracer,
         )
-        grads: List[Optional[tf.Tensor]] = [None] * len(sources)
-        for i, g in zip(usable, got):
-            grads[i] = g
-        pos = 0
-        output_grads = []
-        for f in flat_outs:
-            output_grads.append(grads[pos : pos + len(f)])
-            pos += len(f)
-        loss_grads: dict = {}
-        for c in cell_losses:
-            loss_grads.setdefault(c[0], []).append(grads[pos])
-            pos += 1
-        direct = grads[pos:]  # from regularizers and other terms that read weights directly
+        y_pred = microbatch.merge(outs)
+        loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
+        if exact and self.losses:
+            # Regularization terms read the weights directly: once per mini-batch.
+            with tf.GradientTape() as tape:
+                reg = tf.add_n([self._aggregate_additional_loss(r) for r in self.losses])
+                scaled = reg if opt is None else opt.scale_loss(reg)
+            state["direct"] = tape.gradient(
+                scaled, list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
+            )
+            loss = loss + tf.cast(reg, loss.dtype)
+        flat_cell_losses = [c for row in cell_losses for c in row]
+        if flat_cell_losses:
+            loss = loss + tf.add_n([tf.cast(c, loss.dtype) for c in flat_cell_losses])
+        self._loss_tracker.update_state(
+            _loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+        )
         if trainable:
-            totals = pipe.backward(records, output_grads, loss_grads, training=True)
             final = []
-            for v, g in zip(trainable, direct):
+            for v, g in zip(trainable, state["direct"]):
                 total = totals.get(id(v))
                 if g is not None:
                     with tf.device(v.value.device):
-                        total = g if total is None else total + g
+                        total = accumulate(total, g)
                 final.append(total)
-            self.optimizer.apply_gradients(zip(final, trainable))
+            opt.apply_gradients(zip(final, trainable))
         else:
             warnings.warn("The model does not have any trainable weights.")
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _micro_batch_loss(self, y_m, out_m, sw_m, n_m, batch_size):
+        """The compiled loss of one micro-batch, weighted so the micro-batches sum to
+        the mini-batch loss (1F1B must start a backward before the batch is complete)."""
+        if self._compile_loss is None:
+            raise ValueError(
+                f"tf_gpipe: schedule={self.schedule!r} computes the loss per micro-batch and "
+                "needs `loss=` in compile(); for a custom compute_loss use schedule='gpipe'."
+            )
+        value = self._compile_loss(y_m, out_m, sw_m)
+        reductions = {
+            getattr(getattr(fl, "loss", None), "reduction", "sum_over_batch_size")
+            for fl in (self._compile_loss._flat_losses or [])
+        }
+        if reductions <= {"sum"}:
+            return value
+        if reductions <= {"sum_over_batch_size", "mean"} or (
+            sw_m is None and reductions <= {"sum_over_batch_size", "mean", "mean_with_sample_weight"}
+        ):
+            share = tf.cast(n_m, value.dtype) / tf.cast(batch_size, value.dtype)
+            return value * share
+        raise ValueError(
+            f"tf_gpipe: schedule={self.schedule!r} splits the loss over micro-batches, which "
+            f"needs reduction 'sum_over_batch_size' or 'sum' (got {sorted(map(str, reductions))}). "
+            "Use schedule='gpipe', which computes the loss on the whole mini-batch."
+        )
 
     # ------------------------------------------------------------------ saving
     def get_config(self) -> dict:
@@ -345,11 +428,14 @@ class PipelineModel(keras.Model):
             "num_micro_batches": self.num_micro_batches,
             "devices": self._devices_arg,
             "remat": self.remat,
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
         }
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: Any = None) -> "PipelineModel":
         config = dict(config)
+        config["num_stages"] = len(config["balance"]) // config.get("virtual_stages", 1)
         layers = [
             keras.saving.deserialize_keras_object(c, custom_objects=custom_objects)
             for c in config.pop("layers")

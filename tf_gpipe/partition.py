@@ -15,9 +15,7 @@ def even_balance(num_layers: int, num_stages: int) -> List[int]:
     Example: ``even_balance(10, 4) == [3, 3, 2, 2]``.
     """
     if num_layers < 1:
-        raise ValueError(
-            "tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer."
-        )
+        raise ValueError("tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer.")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
     if num_stages > num_layers:
@@ -45,8 +43,7 @@ def split_by_balance(
             even_balance(n, 1)  # raises the empty-layers error
         if not balance or any((not isinstance(b, int)) or b < 1 for b in balance):
             raise ValueError(
-                f"tf_gpipe: balance={balance} must be a list of positive integers "
-                "(layers per stage)."
+                f"tf_gpipe: balance={balance} must be a list of positive integers (layers per stage)."
             )
         if num_stages is not None and len(balance) != num_stages:
             raise ValueError(

@@ -1,0 +1,165 @@
+"""Turn a schedule (plain data) into the ops of one training step.
+
+Every (stage, micro-batch) forward and backward is built explicitly, in an
+order consistent with the schedule, and each device's actions are chained with
+control dependencies so the device runs them in the schedule's order: that is
+what bounds the stashed activations of 1F1B to K per device, where plain
+dataflow would run every forward as early as it could.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from tf_gpipe import checkpoint
+from tf_gpipe.cell import Cell
+from tf_gpipe.microbatch import Split
+
+__all__ = ["run_schedule", "accumulate"]
+
+# Loss hooks the model supplies. Either the whole mini-batch loss once every forward
+# is done (fill-drain only), or a loss per micro-batch right after its last forward.
+BatchLossFn = Callable[[List[Any]], List[List[Optional[tf.Tensor]]]]
+MicroLossFn = Callable[[int, Any], List[Optional[tf.Tensor]]]
+
+
+def accumulate(total, g):
+    """Sum two gradients, keeping IndexedSlices sparse."""
+    if g is None:
+        return total
+    if total is None:
+        return g
+    if isinstance(total, tf.IndexedSlices) and isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([total.values, g.values], 0),
+            tf.concat([total.indices, g.indices], 0),
+            total.dense_shape,
+        )
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(g)
+
+
+def _after(deps: Sequence[Any], structure: Any) -> Any:
+    """``structure`` re-issued so that its consumers wait for ``deps``."""
+    deps = [d for d in deps if d is not None]
+    if not deps:
+        return structure
+    with tf.control_dependencies(deps):
+        return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), structure)
+
+
+def _done(*structures: Any) -> List[tf.Tensor]:
+    out = []
+    for s in structures:
+        for t in tf.nest.flatten(s):
+            if t is None:
+                continue
+            out.append(t.values if isinstance(t, tf.IndexedSlices) else t)
+    return out
+
+
+def run_schedule(
+    schedule: Any,
+    cells: Sequence[Cell],
+    split: Split,
+    masks: List[Any],
+    remat: Callable[[int], bool],
+    batch_loss: Optional[BatchLossFn] = None,
+    micro_loss: Optional[MicroLossFn] = None,
+    cell_loss_grad: Optional[tf.Tensor] = None,
+    tracer: Any = None,
+) -> Tuple[List[Any], Dict[int, Any], List[List[tf.Tensor]]]:
+    """Build one training step of ``schedule`` over ``cells``.
+
+    Args:
+        schedule: a ``tf_gpipe.schedules.Schedule`` with ``num_stages == len(cells)``.
+        cells: the stages; stage ``s`` runs on ``cells[s].device``.
+        split: the micro-batched inputs of stage 0; masks: their Keras masks.
+        remat: whether stage ``s`` is re-materialized.
+        batch_loss: given the last stage's outputs of every micro-batch, the loss
+            gradient for each (fill-drain schedules only).
+        micro_loss: given ``(m, outputs_m)``, the loss gradient for micro-batch ``m``.
+        cell_loss_grad: d(loss)/d(each loss a layer added), usually the loss scale.
+        tracer: optional ``tf_gpipe.timeline.Recorder`` that marks each span.
+
+    Returns:
+        ``(outputs per micro-batch, {id(variable): summed gradient},
+        losses the layers added, per micro-batch)``.
+    """
+    S, M = len(cells), len(split)
+    if schedule.num_stages != S or schedule.num_micro_batches != M:
+        raise ValueError(
+            f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_stages} stages x "
+            f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
+        )
+    records: Dict[Tuple[int, int], checkpoint.Record] = {}
+    grads_in: Dict[Tuple[int, int], List[Optional[tf.Tensor]]] = {}
+    outputs: List[Any] = [None] * M
+    totals: Dict[int, Any] = {}
+    last: Dict[int, List[tf.Tensor]] = {}  # device -> what its previous action produced
+    cell_losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
+
+    def mark(label: str, device: int, deps: List[tf.Tensor]) -> List[tf.Tensor]:
+        if tracer is None:
+            return deps
+        return [tracer.marker(label, device, deps)]
+
+    for action in schedule.topological_order():
+        s, m = action.stage, action.micro_batch
+        d = schedule.device_of(s)
+        cell = cells[s]
+        tag = f"{action.kind}{m}@s{s}"
+        if action.kind == "F":
+            x = split.chunks[m] if s == 0 else records[(s - 1, m)].outputs
+            mask = masks[m] if s == 0 else records[(s - 1, m)].out_mask
+            with tf.name_scope(f"stage{s}_mb{m}"):
+                start = mark("start " + tag, d, last.get(d, []) + _done(x))
+                x = _after(start, x)
+                rec = checkpoint.forward(cell, x, mask, True, remat=remat(s), nonempty=split.nonempty(m))
+            records[(s, m)] = rec
+            cell_losses[m].extend(rec.losses)
+            last[d] = mark("end " + tag, d, _done(rec.outputs))
+            if s == S - 1:
+                outputs[m] = rec.outputs
+                if micro_loss is not None:
+                    with tf.device(cell.device), tf.name_scope(f"loss_mb{m}"):
+                        grads_in[(s, m)] = micro_loss(m, rec.outputs)
+        else:
+            if (s, m) not in grads_in:
+                if batch_loss is None:
+                    raise ValueError(
+                        f"tf_gpipe: schedule {schedule.name!r} runs a backward before every "
+                        "forward is done; it needs a per-micro-batch loss."
+                    )
+                if any(o is None for o in outputs):
+                    raise ValueError(
+                        f"tf_gpipe: schedule {schedule.name!r} starts a backward before every "
+                        "forward is done, so the whole mini-batch loss is not ready; use "
+                        "schedule='gpipe' for this loss."
+                    )
+                for mm, g in enumerate(batch_loss(outputs)):
+                    grads_in[(S - 1, mm)] = g
+            rec = records.pop((s, m))
+            variables = cell.trainable_variables
+            loss_grads = [cell_loss_grad] * len(rec.losses)
+            with tf.name_scope(f"stage{s}_mb{m}_backward"):
+                start = mark("start " + tag, d, last.get(d, []) + _done(grads_in[(s, m)]))
+                dy = _after(start, grads_in.pop((s, m)))
+                in_grads, var_grads = checkpoint.backward(
+                    cell,
+                    rec,
+                    dy,
+                    _after(start, loss_grads),
+                    True,
+                    variables,
+                    need_input_grads=s > 0,
+                    tracer=None if tracer is None else (tracer, d, tag),
+                )
+                with tf.device(cell.device):
+                    for v, g in zip(variables, var_grads):
+                        totals[id(v)] = accumulate(totals.get(id(v)), g)
+            if s > 0:
+                grads_in[(s - 1, m)] = in_grads
+            last[d] = mark("end " + tag, d, _done(in_grads, var_grads))
+    return outputs, totals, cell_losses
