@@ -30,6 +30,7 @@ def cpu_devices():
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_state():
-    keras.backend.clear_session()
+    # free_memory=False skips a full garbage collection (~0.3 s a test).
+    keras.backend.clear_session(free_memory=False)
     keras.utils.set_random_seed(1234)
     yield

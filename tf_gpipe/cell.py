@@ -71,6 +71,8 @@ class Cell:
 
     def build(self, spec: Any) -> Any:
         """Build every layer on this cell's device; return the output spec (KerasTensors)."""
+        for layer in self.layers:
+            _move_variables(layer, self.device)
         with _eager_build_scope(self.device):
             x, mask = spec, None
             for layer in self.layers:
@@ -82,6 +84,7 @@ class Cell:
                         f"on inputs {spec} failed: {e}"
                     ) from e
                 mask = tf.nest.map_structure(_kbackend.get_keras_mask, x)
+                _move_variables(layer, self.device)
         return x
 
     def call(self, inputs: Any, mask: Any, training: Optional[bool]) -> Tuple[Any, Any]:
@@ -95,6 +98,39 @@ class Cell:
         if all(m is None for m in tf.nest.flatten(mask)):
             mask = None
         return x, mask
+
+
+def _on_device(current: str, target: tf.DeviceSpec) -> bool:
+    spec = tf.DeviceSpec.from_string(current or "")
+    for field in ("job", "replica", "task", "device_type", "device_index"):
+        want = getattr(target, field)
+        if want is not None and want != getattr(spec, field):
+            return False
+    return True
+
+
+def _move_variables(layer: keras.layers.Layer, device: str) -> None:
+    """Put every variable of ``layer`` on ``device``.
+
+    Variables made before the layer joined a stage (a layer built in a
+    ``keras.Sequential``, a Dropout's seed state made in its constructor, a
+    layer built from a saved config) sit on the default device. Keras variables
+    wrap a ``tf.Variable``: swapping in a copy made on the stage's device moves
+    them for good (nothing has captured the old one yet).
+    """
+    target = tf.DeviceSpec.from_string(device)
+    for v in layer.variables:
+        raw = getattr(v, "_value", None)
+        if not isinstance(raw, tf.Variable) or _on_device(raw.device, target):
+            continue
+        with _eager_build_scope(device):
+            v._value = tf.Variable(
+                raw.read_value(),
+                trainable=raw.trainable,
+                name=raw.name.split(":")[0],
+                aggregation=raw.aggregation,
+                synchronization=raw.synchronization,
+            )
 
 
 def _attach_mask(x: Any, mask: Any) -> None:

@@ -67,7 +67,7 @@ def run_schedule(
     remat: Callable[[int], bool],
     batch_loss: Optional[BatchLossFn] = None,
     micro_loss: Optional[MicroLossFn] = None,
-    cell_loss_grad: Optional[tf.Tensor] = None,
+    cell_loss_grads: Optional[Sequence[tf.Tensor]] = None,
     tracer: Any = None,
 ) -> Tuple[List[Any], Dict[int, Any], List[List[tf.Tensor]]]:
     """Build one training step of ``schedule`` over ``cells``.
@@ -80,7 +80,7 @@ def run_schedule(
         batch_loss: given the last stage's outputs of every micro-batch, the loss
             gradient for each (fill-drain schedules only).
         micro_loss: given ``(m, outputs_m)``, the loss gradient for micro-batch ``m``.
-        cell_loss_grad: d(loss)/d(each loss a layer added), usually the loss scale.
+        cell_loss_grads: per micro-batch, d(loss)/d(each loss a layer added in it).
         tracer: optional ``tf_gpipe.timeline.Recorder`` that marks each span.
 
     Returns:
@@ -113,7 +113,7 @@ def run_schedule(
         if action.kind == "F":
             x = split.chunks[m] if s == 0 else records[(s - 1, m)].outputs
             mask = masks[m] if s == 0 else records[(s - 1, m)].out_mask
-            with tf.name_scope(f"stage{s}_mb{m}"):
+            with tf.name_scope(f"stage{s}_mb{m}"), tf.device(cell.device):
                 start = mark("start " + tag, d, last.get(d, []) + _done(x))
                 x = _after(start, x)
                 rec = checkpoint.forward(cell, x, mask, True, remat=remat(s), nonempty=split.nonempty(m))
@@ -142,8 +142,8 @@ def run_schedule(
                     grads_in[(S - 1, mm)] = g
             rec = records.pop((s, m))
             variables = cell.trainable_variables
-            loss_grads = [cell_loss_grad] * len(rec.losses)
-            with tf.name_scope(f"stage{s}_mb{m}_backward"):
+            loss_grads = [cell_loss_grads[m]] * len(rec.losses) if rec.losses else []
+            with tf.name_scope(f"stage{s}_mb{m}_backward"), tf.device(cell.device):
                 start = mark("start " + tag, d, last.get(d, []) + _done(grads_in[(s, m)]))
                 dy = _after(start, grads_in.pop((s, m)))
                 in_grads, var_grads = checkpoint.backward(

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
-__all__ = ["Split", "split", "merge"]
+__all__ = ["Split", "check_batched", "split", "merge"]
 
 
 @dataclass
@@ -48,8 +48,9 @@ def _batch_tensors(structure: Any) -> List[tf.Tensor]:
         )
     out = []
     for t in flat:
-        t = tf.convert_to_tensor(t) if not isinstance(t, (tf.Tensor, tf.SparseTensor)) else t
-        if t.shape.rank == 0:
+        if not (hasattr(t, "shape") and hasattr(t, "dtype")):  # tensors, KerasTensors, arrays
+            t = tf.convert_to_tensor(t)
+        if len(t.shape) == 0:
             raise ValueError(
                 f"tf_gpipe: cannot split a scalar input (shape {t.shape}) into micro-batches: "
                 "every input needs a leading batch axis. Add one, e.g. `tf.expand_dims(x, 0)`, "
@@ -57,6 +58,11 @@ def _batch_tensors(structure: Any) -> List[tf.Tensor]:
             )
         out.append(t)
     return out
+
+
+def check_batched(structure: Any) -> None:
+    """Raise a ValueError naming the fix unless every tensor has a leading batch axis."""
+    _batch_tensors(structure)
 
 
 def split(structure: Any, num_micro_batches: int, exact: bool = False) -> Split:
@@ -75,6 +81,7 @@ def split(structure: Any, num_micro_batches: int, exact: bool = False) -> Split:
         raise ValueError(f"tf_gpipe: num_micro_batches must be >= 1, got {num_micro_batches}.")
     flat = tf.nest.flatten(structure)
     tensors = _batch_tensors(structure)
+    tensors = [t if isinstance(t, (tf.Tensor, tf.SparseTensor)) else tf.convert_to_tensor(t) for t in tensors]
     static_n = [t.shape[0] for t in tensors]
     known = [n for n in static_n if n is not None]
     if known and any(n != known[0] for n in known):

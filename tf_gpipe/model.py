@@ -41,9 +41,10 @@ def _unpack_layers(layers: Any):
             "tf_gpipe: `layers` must be a list of Keras layers or a keras.Sequential, "
             f"got {type(layers).__name__}."
         ) from None
-    if layers and isinstance(layers[0], keras.layers.InputLayer):
-        first = layers.pop(0)
-        spec = first.output
+    if layers and isinstance(layers[0], keras.KerasTensor):  # keras.Input(...)
+        spec = layers.pop(0)
+    elif layers and isinstance(layers[0], keras.layers.InputLayer):
+        spec = layers.pop(0).output
     for i, layer in enumerate(layers):
         if isinstance(layer, keras.layers.InputLayer):
             raise ValueError(f"tf_gpipe: layers[{i}] is an InputLayer; only the first layer may be one.")
@@ -63,6 +64,41 @@ def _to_tensors(structure: Any) -> Any:
     return tf.nest.map_structure(
         lambda t: t if t is None or tf.is_tensor(t) else tf.convert_to_tensor(t), structure
     )
+
+
+def _shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
+    """Each micro-batch's share n_m / N of the mini-batch.
+
+    Losses that layers add are batch means (Keras divides activity regularization by
+    the batch size), so weighting each micro-batch's by its share adds up to the
+    unsplit model's value.
+    """
+    total = tf.cast(batch_size, tf.float32)
+    return [tf.math.divide_no_nan(tf.cast(n, tf.float32), total) for n in sizes]
+
+
+def _colocate_slots(optimizer: Any) -> None:
+    """Make the optimizer create each slot (momentum, velocity...) on its variable's device.
+
+    Keras asks the distribution strategy to colocate slots, which the default
+    strategy ignores in eager mode: every stage's slots would land on device 0.
+    """
+    if optimizer is None or getattr(optimizer, "_tf_gpipe_colocated", False):
+        return
+    _colocate_slots(getattr(optimizer, "inner_optimizer", None))
+    original = optimizer.add_variable_from_reference
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        raw = getattr(reference_variable, "_value", reference_variable)
+        with tf.device(getattr(raw, "device", None) or None):
+            return original(reference_variable, *args, **kwargs)
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+    optimizer._tf_gpipe_colocated = True
+
+
+def _batch_size(structure: Any) -> tf.Tensor:
+    return tf.shape(next(t for t in tf.nest.flatten(structure) if t is not None))[0]
 
 
 def _spec_from(structure: Any) -> Any:
@@ -170,14 +206,26 @@ class PipelineModel(keras.Model):
             raise ValueError(f"tf_gpipe: unknown remat mode {remat!r}; use one of {list(REMAT_MODES)}.")
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")
-        if num_stages is None:
-            if balance is not None:
-                num_stages = len(balance) // virtual_stages
-            else:
+        if num_stages is not None and (
+            isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
+        ):
+            raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
+        if balance is not None:  # balance has one entry per cell: K * virtual_stages
+            groups = split_by_balance(
+                layer_list, None if num_stages is None else num_stages * virtual_stages, balance
+            )
+            if len(groups) % virtual_stages:
+                raise ValueError(
+                    f"tf_gpipe: balance has {len(groups)} entries, not a multiple of "
+                    f"virtual_stages={virtual_stages}; give num_stages * virtual_stages entries."
+                )
+        else:
+            if num_stages is None:
                 num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
+            groups = split_by_balance(layer_list, num_stages * virtual_stages, None)
+        num_stages = len(groups) // virtual_stages
         # Validates the name, virtual_stages and M against the schedule before anything is built.
         schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
-        groups = split_by_balance(layer_list, num_stages * virtual_stages, balance)
         self._devices_arg = (
             None if devices is None else list(devices) if not isinstance(devices, str) else devices
         )
@@ -188,6 +236,8 @@ class PipelineModel(keras.Model):
         self.virtual_stages = virtual_stages
         self.balance = [len(g) for g in groups]
         self.stage_layers = layer_list  # tracked in order: weights ordered as keras.Sequential(layers)
+        for i, layer in enumerate(layer_list):  # visible to tf.train.Checkpoint too
+            self._track_trackable(layer, name=f"layer_{i}", overwrite=True)
         # Stage s runs on device s % K: with virtual stages each device holds every K-th chunk.
         self._pipeline = Pipeline([Cell(s, g, resolved[s % num_stages]) for s, g in enumerate(groups)], remat)
         self._num_devices = num_stages
@@ -242,6 +292,7 @@ class PipelineModel(keras.Model):
     def _maybe_build(self, call_spec):
         # Keras would build from shapes alone; the real dtypes matter (token ids, masks).
         if not self.built:
+            microbatch.check_batched(call_spec.first_arg)
             self._build_cells(_spec_from(call_spec.first_arg))
         return super()._maybe_build(call_spec)
 
@@ -284,8 +335,9 @@ class PipelineModel(keras.Model):
             for t, m in zip(tf.nest.flatten(outputs), tf.nest.flatten(merged_mask)):
                 if m is not None:
                     keras.src.backend.set_keras_mask(t, m)
-        for loss in losses:
-            self.add_loss(loss)
+        for share, row in zip(_shares(xs.sizes, _batch_size(inputs)), losses):
+            for loss in row:
+                self.add_loss(loss * tf.cast(share, loss.dtype))
         return outputs
 
     def compile(self, *args: Any, jit_compile: Any = "auto", **kwargs: Any) -> None:
@@ -298,6 +350,15 @@ class PipelineModel(keras.Model):
                 stacklevel=2,
             )
         super().compile(*args, jit_compile=False, **kwargs)
+        self._compile_config.config["jit_compile"] = jit_compile
+        _colocate_slots(self.optimizer)
+
+    def compile_from_config(self, config: dict) -> None:
+        """Re-compile a loaded model (``keras.models.load_model``) as it was saved."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
 
     def train_step(self, data: Any) -> dict:
         """One mini-batch: the schedule's forwards and backwards stage by stage,
@@ -313,7 +374,8 @@ class PipelineModel(keras.Model):
         trainable = self.trainable_weights
         opt = self.optimizer
         unit = tf.constant(1.0) if opt is None else tf.convert_to_tensor(opt.scale_loss(tf.constant(1.0)))
-        batch_size = tf.shape(next(i for i in tree.flatten(x) if i is not None))[0]
+        batch_size = _batch_size(x)
+        shares = _shares(joint.sizes, batch_size)
         state: dict = {"direct": [None] * len(trainable), "loss": []}
 
         def batch_loss(outs):
@@ -359,7 +421,7 @@ class PipelineModel(keras.Model):
             self._pipeline.rematerializes,
             batch_loss=batch_loss if not exact else None,
             micro_loss=micro_loss if exact else None,
-            cell_loss_grad=unit,
+            cell_loss_grads=[unit * share for share in shares],
             tracer=self._tracer,
         )
         y_pred = microbatch.merge(outs)
@@ -373,9 +435,13 @@ class PipelineModel(keras.Model):
                 scaled, list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
             )
             loss = loss + tf.cast(reg, loss.dtype)
-        flat_cell_losses = [c for row in cell_losses for c in row]
-        if flat_cell_losses:
-            loss = loss + tf.add_n([tf.cast(c, loss.dtype) for c in flat_cell_losses])
+        weighted = [
+            tf.cast(c * tf.cast(share, c.dtype), loss.dtype)
+            for row, share in zip(cell_losses, shares)
+            for c in row
+        ]
+        if weighted:
+            loss = loss + tf.add_n(weighted)
         self._loss_tracker.update_state(
             _loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
         )

@@ -37,17 +37,17 @@ class Pipeline:
 
     def call(
         self, split: Split, masks: List[Any], training: Optional[bool]
-    ) -> Tuple[List[Any], List[Any], List[tf.Tensor]]:
+    ) -> Tuple[List[Any], List[Any], List[List[tf.Tensor]]]:
         """Forward every micro-batch through every cell in fill-drain order.
 
         Any enclosing tape differentiates through it (re-materializing where
-        configured). Returns per-micro-batch outputs and masks, and the losses
-        the layers added.
+        configured). Returns per-micro-batch outputs and masks, and per
+        micro-batch the losses its layers added.
         """
         M, S = len(split), len(self.cells)
         acts = list(split.chunks)
         masks = list(masks)
-        losses: List[tf.Tensor] = []
+        losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
         for tick in clock_cycles(M, S):
             for m, s in tick:
                 cell = self.cells[s]
@@ -61,5 +61,5 @@ class Pipeline:
                             cell, acts[m], masks[m], training, remat=True, nonempty=split.nonempty(m)
                         )
                         acts[m], masks[m], extra = rec.outputs, rec.out_mask, rec.losses
-                losses.extend(extra)
+                losses[m].extend(extra)
         return acts, masks, losses
