@@ -54,6 +54,16 @@ class Cell:
         self.index = index
         self.layers: List[keras.layers.Layer] = list(layers)
         self.device = device
+        self._batch_norms: Optional[list] = None
+
+    @property
+    def batch_norms(self) -> list:
+        """The BatchNormalization layers of this cell, nested ones included."""
+        if self._batch_norms is None:
+            from tf_gpipe.batchnorm import batch_norm_layers
+
+            self._batch_norms = batch_norm_layers(self.layers)
+        return self._batch_norms
 
     def __repr__(self) -> str:
         names = ", ".join(layer.name for layer in self.layers)

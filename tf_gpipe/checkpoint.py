@@ -86,10 +86,13 @@ class Record:
     nonempty: Optional[tf.Tensor] = None
 
 
-def _run(cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty) -> Record:
+def _run(cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty, deferred=None) -> Record:
+    bns = cell.batch_norms if (deferred is not None and training) else []
     with _RecordingScope() as scope:
-        outputs, out_mask = cell.call(inputs, mask, training)
-    written = list(scope.written.values())
+        with deferred.capture(bns) if bns else contextlib.nullcontext():
+            outputs, out_mask = cell.call(inputs, mask, training)
+    skipped = deferred.skipped_variables(bns) if bns else set()
+    written = [v for k, v in scope.written.items() if k not in skipped]
     before = [_read(v) for v in written]
     for v, old in zip(written, before):
         new = scope.get_current_value(v)
@@ -108,20 +111,28 @@ def _run(cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty)
 
 
 def forward(
-    cell: Cell, inputs: Any, mask: Any, training: Optional[bool], remat: bool, nonempty=None
+    cell: Cell,
+    inputs: Any,
+    mask: Any,
+    training: Optional[bool],
+    remat: bool,
+    nonempty=None,
+    deferred=None,
 ) -> Record:
     """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
 
     With ``remat`` the intermediate activations are dropped and the backward pass
-    replays the cell; without it a tape keeps them.
+    replays the cell; without it a tape keeps them. With ``deferred`` (a
+    ``batchnorm.DeferredStats``) BatchNormalization moments are pooled there
+    instead of moving the statistics now.
     """
     with tf.device(cell.device):
         if remat:
-            return _run(cell, inputs, mask, training, nonempty)
+            return _run(cell, inputs, mask, training, nonempty, deferred)
         tape = tf.GradientTape()
         with tape:
             tape.watch(_float_tensors(inputs))
-            record = _run(cell, inputs, mask, training, nonempty)
+            record = _run(cell, inputs, mask, training, nonempty, deferred)
         record.tape = tape
         return record
 
@@ -231,7 +242,7 @@ def backward(
 
 
 def checkpointed(
-    cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty=None
+    cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty=None, deferred=None
 ) -> Tuple[Any, Any, List[tf.Tensor]]:
     """Forward one (cell, micro-batch) so that any enclosing tape re-materializes it.
 
@@ -249,7 +260,7 @@ def checkpointed(
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
         x, m = tf.nest.pack_sequence_as((inputs, mask), full)
-        record = forward(cell, x, m, training, remat=True, nonempty=nonempty)
+        record = forward(cell, x, m, training, remat=True, nonempty=nonempty, deferred=deferred)
         flat_out = tf.nest.flatten((record.outputs, record.out_mask))
         meta["structure"] = (record.outputs, record.out_mask)
         meta["out_pos"] = [i for i, t in enumerate(flat_out) if t is not None]

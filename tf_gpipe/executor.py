@@ -69,6 +69,7 @@ def run_schedule(
     micro_loss: Optional[MicroLossFn] = None,
     cell_loss_grads: Optional[Sequence[tf.Tensor]] = None,
     tracer: Any = None,
+    deferred: Any = None,
 ) -> Tuple[List[Any], Dict[int, Any], List[List[tf.Tensor]]]:
     """Build one training step of ``schedule`` over ``cells``.
 
@@ -82,6 +83,8 @@ def run_schedule(
         micro_loss: given ``(m, outputs_m)``, the loss gradient for micro-batch ``m``.
         cell_loss_grads: per micro-batch, d(loss)/d(each loss a layer added in it).
         tracer: optional ``tf_gpipe.timeline.Recorder`` that marks each span.
+        deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
+            moments; the caller applies it once the step is built.
 
     Returns:
         ``(outputs per micro-batch, {id(variable): summed gradient},
@@ -116,7 +119,9 @@ def run_schedule(
             with tf.name_scope(f"stage{s}_mb{m}"), tf.device(cell.device):
                 start = mark("start " + tag, d, last.get(d, []) + _done(x))
                 x = _after(start, x)
-                rec = checkpoint.forward(cell, x, mask, True, remat=remat(s), nonempty=split.nonempty(m))
+                rec = checkpoint.forward(
+                    cell, x, mask, True, remat=remat(s), nonempty=split.nonempty(m), deferred=deferred
+                )
             records[(s, m)] = rec
             cell_losses[m].extend(rec.losses)
             last[d] = mark("end " + tag, d, _done(rec.outputs))

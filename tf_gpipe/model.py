@@ -97,6 +97,16 @@ def _colocate_slots(optimizer: Any) -> None:
     optimizer._tf_gpipe_colocated = True
 
 
+def _zeros_like_spec(spec: Any) -> Any:
+    def one(t):
+        if t is None:
+            return None
+        shape = [1 if d is None else d for d in t.shape]
+        return tf.zeros(shape, dtype=t.dtype)
+
+    return tf.nest.map_structure(one, spec)
+
+
 def _batch_size(structure: Any) -> tf.Tensor:
     return tf.shape(next(t for t in tf.nest.flatten(structure) if t is not None))[0]
 
@@ -151,6 +161,11 @@ class PipelineModel(keras.Model):
             ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``.
         virtual_stages: v, chunks per device for ``"interleaved"``: layers are cut
             into ``num_stages * v`` cells and cell ``s`` runs on device ``s % K``.
+        deferred_batch_norm: BatchNormalization layers normalize each micro-batch
+            with its own statistics, but move their running statistics once per
+            mini-batch from the statistics of the whole mini-batch, as the
+            unsplit model does (GPipe's choice). ``False`` moves them once per
+            micro-batch, as Keras alone would.
         **kwargs: ``name``, ``trainable``, ``dtype`` as for any Keras model.
 
     Call arguments:
@@ -187,6 +202,7 @@ class PipelineModel(keras.Model):
         remat: str = "always",
         schedule: str = "gpipe",
         virtual_stages: int = 1,
+        deferred_batch_norm: bool = True,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -239,7 +255,12 @@ class PipelineModel(keras.Model):
         for i, layer in enumerate(layer_list):  # visible to tf.train.Checkpoint too
             self._track_trackable(layer, name=f"layer_{i}", overwrite=True)
         # Stage s runs on device s % K: with virtual stages each device holds every K-th chunk.
-        self._pipeline = Pipeline([Cell(s, g, resolved[s % num_stages]) for s, g in enumerate(groups)], remat)
+        self._pipeline = Pipeline(
+            [Cell(s, g, resolved[s % num_stages]) for s, g in enumerate(groups)],
+            remat,
+            deferred_batch_norm,
+        )
+        self.deferred_batch_norm = deferred_batch_norm
         self._num_devices = num_stages
         self._tracer = None
         # XLA would fuse every stage into one cluster on one device: keep it off.
@@ -365,6 +386,9 @@ class PipelineModel(keras.Model):
         gradients summed per device, one optimizer update, metrics on the whole batch."""
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         x = _to_tensors(x)
+        # Losses an earlier call (evaluate, predict) added belong to another graph; __call__
+        # would clear them, but the training step runs the stages without it.
+        self._clear_losses()
         if not self.built:
             self._build_cells(_spec_from(x))
         exact = self.schedule != "gpipe"
@@ -377,6 +401,7 @@ class PipelineModel(keras.Model):
         batch_size = _batch_size(x)
         shares = _shares(joint.sizes, batch_size)
         state: dict = {"direct": [None] * len(trainable), "loss": []}
+        deferred = self._pipeline.deferred_stats(True)
 
         def batch_loss(outs):
             # Fill-drain: every forward is done, so the loss sees the whole mini-batch,
@@ -423,7 +448,10 @@ class PipelineModel(keras.Model):
             micro_loss=micro_loss if exact else None,
             cell_loss_grads=[unit * share for share in shares],
             tracer=self._tracer,
+            deferred=deferred,
         )
+        if deferred is not None:
+            deferred.apply()
         y_pred = microbatch.merge(outs)
         loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
         if exact and self.losses:
@@ -496,6 +524,7 @@ class PipelineModel(keras.Model):
             "remat": self.remat,
             "schedule": self.schedule,
             "virtual_stages": self.virtual_stages,
+            "deferred_batch_norm": self.deferred_batch_norm,
         }
 
     @classmethod
@@ -529,10 +558,8 @@ class PipelineModel(keras.Model):
             raise ValueError("tf_gpipe: build or call the model before to_sequential().")
         clones = [layer.__class__.from_config(layer.get_config()) for layer in self.stage_layers]
         seq = keras.Sequential(clones, name=name or f"{self.name}_sequential")
-        spec = self._build_spec
-        if isinstance(spec, keras.KerasTensor):
-            seq.build(spec.shape)
-        else:
-            seq(spec)
+        # Build the copy by running it once on zeros: a symbolic call cannot build
+        # layers that take tuples or dicts (Concatenate, custom layers).
+        seq(_zeros_like_spec(self._build_spec), training=False)
         seq.set_weights(self.get_weights())
         return seq

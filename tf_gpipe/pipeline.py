@@ -7,6 +7,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from tf_gpipe import checkpoint
+from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 from tf_gpipe.schedules import clock_cycles
@@ -24,9 +25,16 @@ class Pipeline:
         remat: "always", "except_last" or "never".
     """
 
-    def __init__(self, cells: Sequence[Cell], remat: str):
+    def __init__(self, cells: Sequence[Cell], remat: str, deferred_batch_norm: bool = True):
         self.cells = list(cells)
         self.remat = remat
+        self.deferred_batch_norm = deferred_batch_norm
+
+    def deferred_stats(self, training: Optional[bool]) -> Optional[DeferredStats]:
+        """A pool for this mini-batch's BatchNormalization moments, if they are deferred."""
+        if training and self.deferred_batch_norm and any(c.batch_norms for c in self.cells):
+            return DeferredStats()
+        return None
 
     def rematerializes(self, s: int) -> bool:
         if self.remat == "always":
@@ -48,18 +56,27 @@ class Pipeline:
         acts = list(split.chunks)
         masks = list(masks)
         losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
+        deferred = self.deferred_stats(training)
         for tick in clock_cycles(M, S):
             for m, s in tick:
                 cell = self.cells[s]
                 with tf.name_scope(f"stage{s}_mb{m}"):
                     if training and self.rematerializes(s):
                         acts[m], masks[m], extra = checkpoint.checkpointed(
-                            cell, acts[m], masks[m], training, split.nonempty(m)
+                            cell, acts[m], masks[m], training, split.nonempty(m), deferred
                         )
                     else:
                         rec = checkpoint.forward(
-                            cell, acts[m], masks[m], training, remat=True, nonempty=split.nonempty(m)
+                            cell,
+                            acts[m],
+                            masks[m],
+                            training,
+                            remat=True,
+                            nonempty=split.nonempty(m),
+                            deferred=deferred,
                         )
                         acts[m], masks[m], extra = rec.outputs, rec.out_mask, rec.losses
                 losses[m].extend(extra)
+        if deferred is not None:
+            deferred.apply()
         return acts, masks, losses

@@ -10,8 +10,15 @@ from typing import NamedTuple
 __all__ = [
     "clock_cycles",
     "bubble_fraction",
-    "SCHEDULES", "Action", "Schedule", "Slot", "Timeline",
-    "get", "gpipe", "interleaved", "one_f_one_b",
+    "SCHEDULES",
+    "Action",
+    "Schedule",
+    "Slot",
+    "Timeline",
+    "get",
+    "gpipe",
+    "interleaved",
+    "one_f_one_b",
 ]
 
 Cost = float | Sequence[float]
@@ -198,8 +205,7 @@ class Schedule:
         costs = list(cost)
         if len(costs) != self.num_stages:
             raise ValueError(
-                f"{what} has {len(costs)} entries, expected one per stage "
-                f"(num_stages={self.num_stages})"
+                f"{what} has {len(costs)} entries, expected one per stage (num_stages={self.num_stages})"
             )
         return costs
 
@@ -282,9 +288,7 @@ class Schedule:
           the running action's label (``F3``; ``F3@s1`` when interleaved, since a
           device then runs several stages) or ``.`` when idle.
         """
-        costs = self._costs(forward_cost, "forward_cost") + self._costs(
-            backward_cost, "backward_cost"
-        )
+        costs = self._costs(forward_cost, "forward_cost") + self._costs(backward_cost, "backward_cost")
         if any(int(c) != c for c in costs):
             raise ValueError("draw() needs integer costs: one column per time unit")
         t = self.simulate(forward_cost, backward_cost)
@@ -294,10 +298,7 @@ class Schedule:
         for a, slot in t.slots.items():
             for col in range(int(slot.start), int(slot.end)):
                 grid[slot.device][col] = label(a)
-        rows = [
-            f"dev {d}: " + " ".join(cell.ljust(width) for cell in row)
-            for d, row in enumerate(grid)
-        ]
+        rows = [f"dev {d}: " + " ".join(cell.ljust(width) for cell in row) for d, row in enumerate(grid)]
         # Strip the idle padding at line ends so expected pictures survive editors.
         return "\n".join(row.rstrip() for row in rows)
 
@@ -444,10 +445,7 @@ def clock_cycles(num_micro_batches: int, num_stages: int) -> list[list[tuple[int
     The backward pass runs the same ticks in reverse order.
     """
     M, K = num_micro_batches, num_stages
-    return [
-        [(t - k, k) for k in range(max(0, t - M + 1), min(t, K - 1) + 1)]
-        for t in range(M + K - 1)
-    ]
+    return [[(t - k, k) for k in range(max(0, t - M + 1), min(t, K - 1) + 1)] for t in range(M + K - 1)]
 
 
 def bubble_fraction(num_micro_batches: int, num_stages: int) -> float:
@@ -459,9 +457,7 @@ def bubble_fraction(num_micro_batches: int, num_stages: int) -> float:
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-def get(
-    name: str, num_devices: int, num_micro_batches: int, virtual_stages: int = 1
-) -> Schedule:
+def get(name: str, num_devices: int, num_micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """Build a schedule by name.
 
     Args:
@@ -478,9 +474,7 @@ def get(
         non-interleaved schedule.
     """
     if name not in SCHEDULES:
-        raise ValueError(
-            f"unknown schedule {name!r}; valid names: {', '.join(repr(n) for n in SCHEDULES)}"
-        )
+        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(repr(n) for n in SCHEDULES)}")
     if name == "interleaved":
         return interleaved(num_devices, num_micro_batches, virtual_stages)
     if virtual_stages != 1:

@@ -1,0 +1,49 @@
+"""Regression tests: each names the version that had the bug and what it did."""
+
+import keras
+import numpy as np
+from helpers import assert_all_close
+
+import tf_gpipe
+
+
+class _Pair(keras.layers.Layer):
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape["a"][-1],), initializer="ones")
+
+    def call(self, inputs):
+        return inputs["a"] * self.w + inputs["b"]
+
+
+def test_to_sequential_with_tuple_and_dict_inputs():
+    """0.1.0 (pre-release): to_sequential() built the copy symbolically, which raised for
+    Concatenate on a tuple and left a dict-taking custom layer unbuilt."""
+    rng = np.random.RandomState(0)
+    a, b = rng.randn(6, 3).astype("float32"), rng.randn(6, 2).astype("float32")
+    pm = tf_gpipe.PipelineModel(
+        [keras.layers.Concatenate(), keras.layers.Dense(4), keras.layers.Dense(3)],
+        num_stages=2,
+        num_micro_batches=2,
+    )
+    expected = pm.predict((a, b), verbose=0)
+    assert_all_close([pm.to_sequential().predict((a, b), verbose=0)], [expected])
+
+    pm = tf_gpipe.PipelineModel([_Pair(), keras.layers.Dense(2)], num_stages=2, num_micro_batches=3)
+    x = {"a": a, "b": a * 2}
+    expected = pm.predict(x, verbose=0)
+    assert_all_close([pm.to_sequential().predict(x, verbose=0)], [expected])
+
+
+def test_fit_after_evaluate_with_layer_losses():
+    """0.1.0 (pre-release): losses added by layers during evaluate()/predict() stayed on the
+    model, and the next fit() failed with 'tensor ... is out of scope'."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.1)), keras.layers.Dense(3)]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=3)
+    pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.RandomState(1)
+    x, y = rng.randn(12, 5).astype("float32"), rng.randint(0, 3, 12)
+    pm.evaluate(x, y, verbose=0)
+    pm.predict(x, verbose=0)
+    history = pm.fit(x, y, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))

@@ -1,0 +1,109 @@
+"""Deferred BatchNormalization statistics: one moving-statistics update per mini-batch.
+
+GPipe normalizes each micro-batch with its own statistics while training, but
+moves the running statistics once per mini-batch, from the statistics of the
+whole mini-batch, so that after a step they equal what the unsplit model
+computes. Keras' BatchNormalization would instead move them once per
+micro-batch (momentum applied M times, each from a smaller sample).
+
+Each BatchNormalization layer of a stage (nested ones included) has its
+``_moments`` wrapped for the duration of a training forward: the micro-batch
+mean and variance it computes are recorded with their element count, and its
+own moving-statistics writes are dropped. After the last micro-batch the
+recorded moments are pooled (sum of counts, means, and second moments) and
+applied in one update with the layer's momentum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Sequence, Set
+
+import keras
+import tensorflow as tf
+
+__all__ = ["DeferredStats", "batch_norm_layers"]
+
+
+def batch_norm_layers(layers: Sequence[keras.layers.Layer]) -> List[keras.layers.BatchNormalization]:
+    """Every BatchNormalization among ``layers`` and their sublayers (renorm excluded)."""
+    found: List[keras.layers.BatchNormalization] = []
+    seen: Set[int] = set()
+    for layer in layers:
+        for sub in layer._flatten_layers(include_self=True):
+            if isinstance(sub, keras.layers.BatchNormalization) and not sub.renorm and id(sub) not in seen:
+                seen.add(id(sub))
+                found.append(sub)
+    return found
+
+
+def _count(inputs: tf.Tensor, mask: Any, axes: Sequence[int]) -> tf.Tensor:
+    """Elements pooled per channel, as BatchNormalization's own moments count them."""
+    if mask is None:
+        shape = tf.shape(inputs)
+        return tf.cast(tf.reduce_prod(tf.gather(shape, list(axes))), inputs.dtype)
+    weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), inputs.dtype), tf.shape(inputs))
+    return tf.reduce_sum(weights, axis=list(axes))
+
+
+class DeferredStats:
+    """Pools BatchNormalization moments over the micro-batches of one mini-batch."""
+
+    def __init__(self) -> None:
+        self._sums: Dict[int, List[tf.Tensor]] = {}
+        self._layers: Dict[int, keras.layers.BatchNormalization] = {}
+
+    def skipped_variables(self, layers: Sequence[keras.layers.BatchNormalization]) -> Set[int]:
+        """ids of the moving statistics whose per-micro-batch writes must be dropped."""
+        return {id(v) for bn in layers for v in (bn.moving_mean, bn.moving_variance)}
+
+    @contextlib.contextmanager
+    def capture(self, layers: Sequence[keras.layers.BatchNormalization]) -> Iterator[None]:
+        """Record the moments every layer in ``layers`` computes inside the block."""
+        originals = []
+        for bn in layers:
+            original = bn._moments
+
+            def recording(inputs, mask, _bn=bn, _original=original):
+                mean, variance = _original(inputs, mask)
+                count = _count(inputs, mask, _bn._reduction_axes)
+                count = tf.reshape(count, tf.shape(mean)) if mask is not None else count
+                self._add(_bn, count, mean, variance)
+                return mean, variance
+
+            bn._moments = recording
+            originals.append((bn, original))
+        try:
+            yield
+        finally:
+            for bn, original in originals:
+                bn._moments = original
+
+    def _add(self, bn, count, mean, variance) -> None:
+        # Sums of n, n*mean and n*(variance + mean^2); an empty micro-batch (NaN moments,
+        # zero count) adds nothing.
+        n_mean = tf.where(count > 0, count * mean, tf.zeros_like(mean))
+        n_square = tf.where(count > 0, count * (variance + tf.square(mean)), tf.zeros_like(mean))
+        key = id(bn)
+        self._layers[key] = bn
+        if key in self._sums:
+            total = self._sums[key]
+            self._sums[key] = [total[0] + count, total[1] + n_mean, total[2] + n_square]
+        else:
+            self._sums[key] = [count, n_mean, n_square]
+
+    def apply(self) -> None:
+        """Move each layer's statistics once, from the pooled moments."""
+        for key, (count, n_mean, n_square) in self._sums.items():
+            bn = self._layers[key]
+            mean = tf.math.divide_no_nan(n_mean, count)
+            variance = tf.maximum(tf.math.divide_no_nan(n_square, count) - tf.square(mean), 0.0)
+            momentum = bn.momentum
+            moving_mean = tf.cast(bn.moving_mean, mean.dtype)
+            moving_variance = tf.cast(bn.moving_variance, mean.dtype)
+            new_mean = moving_mean * momentum + mean * (1.0 - momentum)
+            new_variance = moving_variance * momentum + variance * (1.0 - momentum)
+            nonempty = tf.reduce_all(count > 0)  # a batch with no example leaves them alone
+            bn.moving_mean.assign(tf.where(nonempty, new_mean, moving_mean))
+            bn.moving_variance.assign(tf.where(nonempty, new_variance, moving_variance))
+        self._sums.clear()
