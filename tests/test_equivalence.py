@@ -228,3 +228,30 @@ def test_custom_training_loop_one_update_per_step():
             step(x, y)
         assert int(opt.iterations) == 3
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_rnn_with_mask_in_a_later_stage():
+    def make():
+        keras.utils.set_random_seed(12)
+        return [
+            keras.layers.Embedding(30, 8, mask_zero=True),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.LSTM(6),
+            keras.layers.Dense(3),
+        ]
+
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(1, 30, (9, 7))
+    for i, length in enumerate([7, 3, 5, 1, 6, 2, 7, 4, 3]):
+        tokens[i, length:] = 0
+    y = np.arange(9) % 3
+    seq = keras.Sequential(make())
+    seq(tokens)
+    for remat in ("always", "never"):
+        pm = tf_gpipe.PipelineModel(make(), num_stages=3, num_micro_batches=4, remat=remat)
+        pm(tokens)
+        pm.set_weights(seq.get_weights())
+        o1, l1, g1 = loss_and_grads(seq, tokens, y)
+        o2, l2, g2 = loss_and_grads(pm, tokens, y)
+        assert_all_close([o1, l1], [o2, l2])
+        assert_all_close([tf.convert_to_tensor(g) for g in g1], [tf.convert_to_tensor(g) for g in g2])

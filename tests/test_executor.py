@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
@@ -129,3 +130,24 @@ def test_schedule_arguments_are_checked_up_front():
         )
     with pytest.raises(ValueError, match="virtual_stages must be an integer"):
         tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, schedule="interleaved", virtual_stages=0)
+
+
+def test_layer_losses_in_custom_training_loop():
+    def make():
+        keras.utils.set_random_seed(8)
+        return [
+            keras.layers.Dense(8, activation="relu", activity_regularizer=keras.regularizers.L2(0.05)),
+            keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.01)),
+        ]
+
+    seq, pm = pair(make, (None, 8), num_stages=2, num_micro_batches=3)
+    x, y = data(10)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    results = []
+    for model in (seq, pm):
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = loss_fn(y, out) + tf.add_n(model.losses)
+        results.append((loss, tape.gradient(loss, model.trainable_weights)))
+    assert_all_close([results[0][0]], [results[1][0]])
+    assert_all_close(results[0][1], results[1][1])

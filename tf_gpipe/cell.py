@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import keras
@@ -31,9 +32,22 @@ def _eager_build_scope(device: str) -> Iterator[None]:
         _global_state.set_global_attribute("stateless_scope", saved)
 
 
-def _layer_kwargs(layer: keras.layers.Layer, mask: Any, training: Optional[bool]) -> dict:
-    # Exactly the arguments keras.Sequential passes to each layer.
+def _call_parameters(layer: keras.layers.Layer) -> set:
+    try:
+        return set(inspect.signature(layer.call).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _layer_kwargs(
+    layer: keras.layers.Layer, mask: Any, training: Optional[bool], side: Optional[dict] = None
+) -> dict:
+    # The arguments keras.Sequential passes to each layer, plus any side input the
+    # layer's call() names as a parameter.
     kwargs = {}
+    if side:
+        wanted = _call_parameters(layer)
+        kwargs.update({k: v for k, v in side.items() if k in wanted})
     if getattr(layer, "_call_has_mask_arg", False):
         kwargs["mask"] = mask
     if getattr(layer, "_call_has_training_arg", False) and training is not None:
@@ -79,7 +93,7 @@ class Cell:
                     out.append(v)
         return out
 
-    def build(self, spec: Any) -> Any:
+    def build(self, spec: Any, side: Optional[dict] = None) -> Any:
         """Build every layer on this cell's device; return the output spec (KerasTensors)."""
         for layer in self.layers:
             _move_variables(layer, self.device)
@@ -87,7 +101,7 @@ class Cell:
             x, mask = spec, None
             for layer in self.layers:
                 try:
-                    x = layer(x, **_layer_kwargs(layer, mask, None))
+                    x = layer(x, **_layer_kwargs(layer, mask, None, side))
                 except Exception as e:  # name the layer: the traceback alone is hard to read
                     raise type(e)(
                         f"tf_gpipe: building layer {layer.name!r} of stage {self.index} "
@@ -97,13 +111,19 @@ class Cell:
                 _move_variables(layer, self.device)
         return x
 
-    def call(self, inputs: Any, mask: Any, training: Optional[bool]) -> Tuple[Any, Any]:
-        """Apply the layers in order; return ``(outputs, mask)`` as keras.Sequential would."""
+    def call(
+        self, inputs: Any, mask: Any, training: Optional[bool], side: Optional[dict] = None
+    ) -> Tuple[Any, Any]:
+        """Apply the layers in order; return ``(outputs, mask)`` as keras.Sequential would.
+
+        ``side`` maps side-input names to this micro-batch's tensors; a layer gets
+        the ones its ``call`` has a parameter for.
+        """
         x = inputs
         if mask is not None:
             _attach_mask(x, mask)
         for layer in self.layers:
-            x = layer(x, **_layer_kwargs(layer, mask, training))
+            x = layer(x, **_layer_kwargs(layer, mask, training, side))
             mask = tf.nest.map_structure(_kbackend.get_keras_mask, x)
         if all(m is None for m in tf.nest.flatten(mask)):
             mask = None

@@ -84,13 +84,16 @@ class Record:
     replay_state: List[Tuple[Any, tf.Tensor]] = field(default_factory=list)
     tape: Optional[tf.GradientTape] = None  # set when the cell is not re-materialized
     nonempty: Optional[tf.Tensor] = None
+    side: Optional[dict] = None  # side inputs of this micro-batch (not differentiated)
 
 
-def _run(cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty, deferred=None) -> Record:
+def _run(
+    cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty, deferred=None, side=None
+) -> Record:
     bns = cell.batch_norms if (deferred is not None and training) else []
     with _RecordingScope() as scope:
         with deferred.capture(bns) if bns else contextlib.nullcontext():
-            outputs, out_mask = cell.call(inputs, mask, training)
+            outputs, out_mask = cell.call(inputs, mask, training, side)
     skipped = deferred.skipped_variables(bns) if bns else set()
     written = [v for k, v in scope.written.items() if k not in skipped]
     before = [_read(v) for v in written]
@@ -107,6 +110,7 @@ def _run(cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty,
         losses=list(scope.losses),
         replay_state=list(zip(written, before)),
         nonempty=nonempty,
+        side=side,
     )
 
 
@@ -118,6 +122,7 @@ def forward(
     remat: bool,
     nonempty=None,
     deferred=None,
+    side: Optional[dict] = None,
 ) -> Record:
     """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
 
@@ -128,11 +133,11 @@ def forward(
     """
     with tf.device(cell.device):
         if remat:
-            return _run(cell, inputs, mask, training, nonempty, deferred)
+            return _run(cell, inputs, mask, training, nonempty, deferred, side)
         tape = tf.GradientTape()
         with tape:
             tape.watch(_float_tensors(inputs))
-            record = _run(cell, inputs, mask, training, nonempty, deferred)
+            record = _run(cell, inputs, mask, training, nonempty, deferred, side)
         record.tape = tape
         return record
 
@@ -147,7 +152,7 @@ def _float_tensors(structure: Any) -> List[tf.Tensor]:
 
 def _replay(cell: Cell, record: Record, training: Optional[bool]) -> Tuple[Any, List[tf.Tensor]]:
     with _recomputing(), _RecordingScope(record.replay_state) as scope:
-        outputs, _ = cell.call(record.inputs, record.mask, training)
+        outputs, _ = cell.call(record.inputs, record.mask, training, record.side)
     return outputs, list(scope.losses)
 
 
@@ -202,6 +207,7 @@ def backward(
                 out_mask=None,
                 losses=[],
                 replay_state=record.replay_state,
+                side=record.side,
             )
             tape = tf.GradientTape()
             with tape:
@@ -242,7 +248,13 @@ def backward(
 
 
 def checkpointed(
-    cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty=None, deferred=None
+    cell: Cell,
+    inputs: Any,
+    mask: Any,
+    training: Optional[bool],
+    nonempty=None,
+    deferred=None,
+    side: Optional[dict] = None,
 ) -> Tuple[Any, Any, List[tf.Tensor]]:
     """Forward one (cell, micro-batch) so that any enclosing tape re-materializes it.
 
@@ -260,7 +272,7 @@ def checkpointed(
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
         x, m = tf.nest.pack_sequence_as((inputs, mask), full)
-        record = forward(cell, x, m, training, remat=True, nonempty=nonempty, deferred=deferred)
+        record = forward(cell, x, m, training, remat=True, nonempty=nonempty, deferred=deferred, side=side)
         flat_out = tf.nest.flatten((record.outputs, record.out_mask))
         meta["structure"] = (record.outputs, record.out_mask)
         meta["out_pos"] = [i for i, t in enumerate(flat_out) if t is not None]

@@ -65,6 +65,7 @@ def run_schedule(
     split: Split,
     masks: List[Any],
     remat: Callable[[int], bool],
+    sides: Optional[List[Any]] = None,
     batch_loss: Optional[BatchLossFn] = None,
     micro_loss: Optional[MicroLossFn] = None,
     cell_loss_grads: Optional[Sequence[tf.Tensor]] = None,
@@ -78,6 +79,7 @@ def run_schedule(
         cells: the stages; stage ``s`` runs on ``cells[s].device``.
         split: the micro-batched inputs of stage 0; masks: their Keras masks.
         remat: whether stage ``s`` is re-materialized.
+        sides: per micro-batch, the side inputs every stage may read (or None).
         batch_loss: given the last stage's outputs of every micro-batch, the loss
             gradient for each (fill-drain schedules only).
         micro_loss: given ``(m, outputs_m)``, the loss gradient for micro-batch ``m``.
@@ -120,7 +122,14 @@ def run_schedule(
                 start = mark("start " + tag, d, last.get(d, []) + _done(x))
                 x = _after(start, x)
                 rec = checkpoint.forward(
-                    cell, x, mask, True, remat=remat(s), nonempty=split.nonempty(m), deferred=deferred
+                    cell,
+                    x,
+                    mask,
+                    True,
+                    remat=remat(s),
+                    nonempty=split.nonempty(m),
+                    deferred=deferred,
+                    side=None if sides is None else sides[m],
                 )
             records[(s, m)] = rec
             cell_losses[m].extend(rec.losses)

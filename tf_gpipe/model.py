@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import keras
 import tensorflow as tf
@@ -166,6 +166,12 @@ class PipelineModel(keras.Model):
             mini-batch from the statistics of the whole mini-batch, as the
             unsplit model does (GPipe's choice). ``False`` moves them once per
             micro-batch, as Keras alone would.
+        side_inputs: names of auxiliary inputs every stage may need (attention
+            masks, positions, conditioning). The model is then called with a dict
+            holding these keys and the main input; each side input is cut into the
+            same micro-batches as the main input, and a layer receives it as a
+            keyword argument when its ``call`` has a parameter of that name. Side
+            inputs are not differentiated.
         **kwargs: ``name``, ``trainable``, ``dtype`` as for any Keras model.
 
     Call arguments:
@@ -203,6 +209,7 @@ class PipelineModel(keras.Model):
         schedule: str = "gpipe",
         virtual_stages: int = 1,
         deferred_batch_norm: bool = True,
+        side_inputs: Sequence[str] = (),
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -261,6 +268,9 @@ class PipelineModel(keras.Model):
             deferred_batch_norm,
         )
         self.deferred_batch_norm = deferred_batch_norm
+        if isinstance(side_inputs, str):
+            side_inputs = (side_inputs,)
+        self.side_inputs = tuple(side_inputs)
         self._num_devices = num_stages
         self._tracer = None
         # XLA would fuse every stage into one cluster on one device: keep it off.
@@ -292,9 +302,29 @@ class PipelineModel(keras.Model):
     # ------------------------------------------------------------------ building
     def _build_cells(self, spec: Any) -> None:
         self._build_spec = spec
+        spec, side = self._separate(spec)
         for cell in self._pipeline.cells:
-            spec = cell.build(spec)
+            spec = cell.build(spec, side)
         self.built = True
+
+    def _separate(self, inputs: Any) -> Tuple[Any, Optional[dict]]:
+        """Split the model's inputs into the main input and the side inputs."""
+        if not self.side_inputs:
+            return inputs, None
+        names = list(self.side_inputs)
+        if not isinstance(inputs, dict) or any(n not in inputs for n in names):
+            have = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise ValueError(
+                f"tf_gpipe: this model takes side inputs {names}: call it with a dict holding "
+                f"those keys and the main input (e.g. {{'inputs': x, '{names[0]}': ...}}); got {have}."
+            )
+        rest = {k: v for k, v in inputs.items() if k not in names}
+        if not rest:
+            raise ValueError(
+                "tf_gpipe: the inputs dict holds only side inputs; add the main input, e.g. 'inputs'."
+            )
+        main = next(iter(rest.values())) if len(rest) == 1 else rest
+        return main, {n: inputs[n] for n in names}
 
     def build(self, input_shape: Any = None) -> None:
         """Build every stage on its device for inputs of ``input_shape`` (float32)."""
@@ -342,14 +372,14 @@ class PipelineModel(keras.Model):
 
     # ------------------------------------------------------------------ running
     def _split(self, inputs: Any, mask: Any):
-        inputs = _to_tensors(inputs)
-        joint = microbatch.split((inputs, mask), self.num_micro_batches)
+        main, side = self._separate(_to_tensors(inputs))
+        joint = microbatch.split((main, mask, side), self.num_micro_batches)
         xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
-        return xs, [c[1] for c in joint.chunks]
+        return xs, [c[1] for c in joint.chunks], [c[2] for c in joint.chunks]
 
     def call(self, inputs: Any, training: Optional[bool] = None, mask: Any = None) -> Any:
-        xs, masks = self._split(inputs, mask)
-        acts, out_masks, losses = self._pipeline.call(xs, masks, training)
+        xs, masks, sides = self._split(inputs, mask)
+        acts, out_masks, losses = self._pipeline.call(xs, masks, training, sides)
         outputs = microbatch.merge(acts)
         if out_masks[0] is not None:
             merged_mask = microbatch.merge(out_masks)
@@ -392,7 +422,8 @@ class PipelineModel(keras.Model):
         if not self.built:
             self._build_cells(_spec_from(x))
         exact = self.schedule != "gpipe"
-        joint = microbatch.split((x, y, sample_weight), self.num_micro_batches, exact=exact)
+        main, side = self._separate(x)
+        joint = microbatch.split((main, y, sample_weight, side), self.num_micro_batches, exact=exact)
         xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
         plan = schedules.get(self.schedule, self.num_stages, len(xs), self.virtual_stages)
         trainable = self.trainable_weights
@@ -422,7 +453,7 @@ class PipelineModel(keras.Model):
             return [[next(it) if _is_float(t) else None for t in f] for f in flat]
 
         def micro_loss(m, out):
-            _, y_m, sw_m = joint.chunks[m]
+            _, y_m, sw_m, _ = joint.chunks[m]
             flat = tf.nest.flatten(out)
             watched = [t for t in flat if _is_float(t)]
             with tf.GradientTape() as tape:
@@ -444,6 +475,7 @@ class PipelineModel(keras.Model):
             xs,
             [None] * len(xs),
             self._pipeline.rematerializes,
+            sides=[c[3] for c in joint.chunks],
             batch_loss=batch_loss if not exact else None,
             micro_loss=micro_loss if exact else None,
             cell_loss_grads=[unit * share for share in shares],
@@ -525,6 +557,7 @@ class PipelineModel(keras.Model):
             "schedule": self.schedule,
             "virtual_stages": self.virtual_stages,
             "deferred_batch_norm": self.deferred_batch_norm,
+            "side_inputs": list(self.side_inputs),
         }
 
     @classmethod
@@ -556,6 +589,11 @@ class PipelineModel(keras.Model):
         """
         if not self.built:
             raise ValueError("tf_gpipe: build or call the model before to_sequential().")
+        if self.side_inputs:
+            raise ValueError(
+                "tf_gpipe: a keras.Sequential cannot pass side inputs to its layers; export the "
+                "weights with get_weights() into a functional model that wires them instead."
+            )
         clones = [layer.__class__.from_config(layer.get_config()) for layer in self.stage_layers]
         seq = keras.Sequential(clones, name=name or f"{self.name}_sequential")
         # Build the copy by running it once on zeros: a symbolic call cannot build

@@ -44,7 +44,7 @@ class Pipeline:
         return False
 
     def call(
-        self, split: Split, masks: List[Any], training: Optional[bool]
+        self, split: Split, masks: List[Any], training: Optional[bool], sides: Optional[List[Any]] = None
     ) -> Tuple[List[Any], List[Any], List[List[tf.Tensor]]]:
         """Forward every micro-batch through every cell in fill-drain order.
 
@@ -57,13 +57,14 @@ class Pipeline:
         masks = list(masks)
         losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
         deferred = self.deferred_stats(training)
+        sides = list(sides) if sides is not None else [None] * M
         for tick in clock_cycles(M, S):
             for m, s in tick:
                 cell = self.cells[s]
                 with tf.name_scope(f"stage{s}_mb{m}"):
                     if training and self.rematerializes(s):
                         acts[m], masks[m], extra = checkpoint.checkpointed(
-                            cell, acts[m], masks[m], training, split.nonempty(m), deferred
+                            cell, acts[m], masks[m], training, split.nonempty(m), deferred, side=sides[m]
                         )
                     else:
                         rec = checkpoint.forward(
@@ -74,6 +75,7 @@ class Pipeline:
                             remat=True,
                             nonempty=split.nonempty(m),
                             deferred=deferred,
+                            side=sides[m],
                         )
                         acts[m], masks[m], extra = rec.outputs, rec.out_mask, rec.losses
                 losses[m].extend(extra)
