@@ -273,6 +273,8 @@ class PipelineModel(keras.Model):
         self.side_inputs = tuple(side_inputs)
         self._num_devices = num_stages
         self._tracer = None
+        self._source_model = None  # set by from_model
+        self._node_balance = None
         # XLA would fuse every stage into one cluster on one device: keep it off.
         self.supports_jit = False
         # Like keras.Sequential: inputs reach the first layer in their own dtype (no cast
@@ -282,6 +284,80 @@ class PipelineModel(keras.Model):
         self._build_spec = None
         if spec is not None:
             self._build_cells(_spec_from(spec))
+
+    @classmethod
+    def from_model(
+        cls,
+        model: keras.Model,
+        num_stages: int = 1,
+        balance: Optional[Union[Sequence[int], str]] = None,
+        virtual_stages: int = 1,
+        **kwargs: Any,
+    ) -> "PipelineModel":
+        """Split a functional Keras model (residual/skip connections, several inputs or
+        outputs) into consecutive stages.
+
+        The model's nodes are cut, in the order Keras runs them, into
+        ``num_stages * virtual_stages`` runs; each tensor a later stage needs
+        (a skip connection) is carried from stage to stage until used. The
+        pipeline shares the model's layers and variables (moved to their stage
+        devices), so the original model keeps serving the trained weights unsplit.
+
+        Args:
+            model: a functional ``keras.Model`` (or ``keras.Sequential``), built.
+            num_stages: K.
+            balance: nodes per stage, a list; or ``"params"`` to balance parameter
+                counts with an optimal min-max cut; default an even split by node count.
+            virtual_stages: as in ``PipelineModel``.
+            **kwargs: the other ``PipelineModel`` arguments.
+
+        Example:
+
+        ```python
+        inp = keras.Input((16,))
+        h = keras.layers.Dense(16)(inp)
+        out = keras.layers.Dense(3)(keras.layers.Add()([h, keras.layers.Dense(16)(h)]))
+        pm = tf_gpipe.PipelineModel.from_model(keras.Model(inp, out), num_stages=2)
+        ```
+        """
+        from tf_gpipe import graph
+
+        if isinstance(model, keras.Sequential) and getattr(model, "_functional", None) is not None:
+            model = model._functional
+        nodes = graph.graph_nodes(model)
+        cells = num_stages * virtual_stages
+        if balance is None:
+            node_balance = split_by_balance(nodes, cells, None)
+            node_balance = [len(g) for g in node_balance]
+        elif isinstance(balance, str):
+            if balance != "params":
+                raise ValueError(
+                    f"tf_gpipe: from_model balances by 'params' or an explicit list, got {balance!r}."
+                )
+            from tf_gpipe.balance import solve_minmax
+
+            seen: set = set()
+            costs = []
+            for node in nodes:  # a layer used twice counts once
+                op = node.operation
+                costs.append(1.0 + (0 if id(op) in seen else op.count_params()))
+                seen.add(id(op))
+            node_balance = solve_minmax(costs, cells)
+        else:
+            node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
+        stages = graph.split_graph(model, node_balance, name=f"{model.name}_stage")
+        spec = tree.pack_sequence_as(model._inputs_struct, model.inputs)
+        instance = cls(
+            stages,
+            num_stages=num_stages,
+            balance=[1] * cells,
+            virtual_stages=virtual_stages,
+            **kwargs,
+        )
+        instance._source_model = model
+        instance._node_balance = list(node_balance)
+        instance._build_cells(_spec_from(spec))
+        return instance
 
     # ------------------------------------------------------------------ properties
     @property
@@ -546,6 +622,21 @@ class PipelineModel(keras.Model):
 
     # ------------------------------------------------------------------ saving
     def get_config(self) -> dict:
+        if self._source_model is not None:
+            return {
+                "name": self.name,
+                "trainable": self.trainable,
+                "source_model": keras.saving.serialize_keras_object(self._source_model),
+                "node_balance": list(self._node_balance),
+                "num_stages": self.num_stages,
+                "num_micro_batches": self.num_micro_batches,
+                "devices": self._devices_arg,
+                "remat": self.remat,
+                "schedule": self.schedule,
+                "virtual_stages": self.virtual_stages,
+                "deferred_batch_norm": self.deferred_batch_norm,
+                "side_inputs": list(self.side_inputs),
+            }
         return {
             "name": self.name,
             "trainable": self.trainable,
@@ -563,6 +654,11 @@ class PipelineModel(keras.Model):
     @classmethod
     def from_config(cls, config: dict, custom_objects: Any = None) -> "PipelineModel":
         config = dict(config)
+        if "source_model" in config:
+            source = keras.saving.deserialize_keras_object(
+                config.pop("source_model"), custom_objects=custom_objects
+            )
+            return cls.from_model(source, balance=config.pop("node_balance"), **config)
         config["num_stages"] = len(config["balance"]) // config.get("virtual_stages", 1)
         layers = [
             keras.saving.deserialize_keras_object(c, custom_objects=custom_objects)

@@ -1,0 +1,152 @@
+"""Functional models with skip connections, split into stages by from_model."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close
+
+import tf_gpipe
+from tf_gpipe.graph import graph_nodes
+
+
+def resnet_like():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(inp)
+    for _ in range(3):
+        r = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(h)
+        r = keras.layers.Conv2D(8, 3, padding="same")(r)
+        h = keras.layers.ReLU()(keras.layers.Add()([h, r]))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inp, keras.layers.Dense(3)(h))
+
+
+def transformer_like(two_inputs=False):
+    keras.utils.set_random_seed(1)
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(20, 16)(tokens)
+    if two_inputs:
+        extra = keras.Input((6, 16), name="extra")
+        h = keras.layers.Add()([h, extra])
+    for _ in range(2):
+        a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(h, h)
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, a]))
+        f = keras.layers.Dense(32, activation="relu")(h)
+        f = keras.layers.Dense(16)(f)
+        h = keras.layers.LayerNormalization()(keras.layers.Add()([h, f]))
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    logits = keras.layers.Dense(3, name="logits")(pooled)
+    if two_inputs:
+        aux = keras.layers.Dense(1, name="aux")(pooled)
+        return keras.Model({"tokens": tokens, "extra": extra}, {"logits": logits, "aux": aux})
+    return keras.Model(tokens, logits)
+
+
+def _clone(model):
+    ref = keras.models.clone_model(model)
+    ref.set_weights(model.get_weights())
+    return ref
+
+
+def _grads(model, x, y, loss_fn):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    return loss, tape.gradient(loss, model.trainable_weights)
+
+
+def _by_name(model, grads):
+    return {"/".join(v.path.split("/")[-2:]): g for v, g in zip(model.trainable_weights, grads)}
+
+
+@pytest.mark.parametrize("K,M,remat", [(2, 2, "always"), (4, 3, "never"), (3, 4, "except_last")])
+def test_resnet_outputs_gradients_and_fit(K, M, remat):
+    model = resnet_like()
+    ref = _clone(model)
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=K, num_micro_batches=M, remat=remat)
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(10, 8, 8, 3).astype("float32"), rng.randint(0, 3, 10)
+    assert_all_close([ref(x)], [pm(x)])
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    l1, g1 = _grads(ref, x, y, loss_fn)
+    l2, g2 = _grads(pm, x, y, loss_fn)
+    assert_all_close([l1], [l2])
+    n1, n2 = _by_name(ref, g1), _by_name(pm, g2)
+    assert len(n1) == len(n2) == len(g1)
+    for v in ref.trainable_weights:  # layers keep their names: match weights by layer path
+        key = "/".join(v.path.split("/")[-2:])
+        assert_all_close([n1[key]], [n2[key]])
+    for m in (ref, pm):
+        m.compile(optimizer="adam", loss=loss_fn)
+        m.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    assert_all_close([ref.predict(x, verbose=0)], [pm.predict(x, verbose=0)], rtol=1e-4, atol=1e-5)
+    # The pipeline trained the source model's own variables: it serves unsplit as is.
+    assert_all_close([model.predict(x, verbose=0)], [pm.predict(x, verbose=0)])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_transformer_with_dict_inputs_and_outputs(schedule):
+    model = transformer_like(two_inputs=True)
+    ref = _clone(model)
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=3, num_micro_batches=2, schedule=schedule)
+    rng = np.random.RandomState(1)
+    x = {"tokens": rng.randint(0, 20, (8, 6)), "extra": rng.randn(8, 6, 16).astype("float32")}
+    y = {"logits": rng.randint(0, 3, 8), "aux": rng.randn(8, 1).astype("float32")}
+    out_ref, out = ref(x), pm(x)
+    assert_all_close([out_ref["logits"], out_ref["aux"]], [out["logits"], out["aux"]])
+    for m in (ref, pm):
+        m.compile(
+            optimizer="adam",
+            loss={"logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "aux": "mse"},
+        )
+        m.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    a, b = ref.predict(x, verbose=0), pm.predict(x, verbose=0)
+    assert_all_close([a["logits"], a["aux"]], [b["logits"], b["aux"]], rtol=1e-4, atol=1e-5)
+
+
+def test_skip_connection_is_carried_and_stages_placed(cpu_devices):
+    model = transformer_like()
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=4, balance="params")
+    assert sum(pm._node_balance) == len(graph_nodes(model))
+    for cell in pm.cells:
+        for v in cell.layers[0].weights:
+            assert v.value.device.endswith(cell.device.replace("/device:", "device:"))
+    # Middle stages receive dicts: every tensor a later stage needs is carried.
+    assert all(isinstance(c.layers[0]._out_keys, dict) for c in pm.cells[:-1])
+    assert any(len(c.layers[0]._out_keys) > 1 for c in pm.cells[:-1])
+
+
+def test_shared_layer_across_stages_is_refused():
+    keras.utils.set_random_seed(0)
+    shared = keras.layers.Dense(8, name="tied")
+    inp = keras.Input((8,))
+    h = shared(inp)
+    for _ in range(4):
+        h = keras.layers.Dense(8)(h)
+    out = shared(h)  # the same weights at both ends
+    model = keras.Model(inp, out)
+    with pytest.raises(ValueError, match="'tied' is used in stages"):
+        tf_gpipe.PipelineModel.from_model(model, num_stages=2)
+    # Cuts that keep both uses together are fine.
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=1)
+    x = np.ones((2, 8), "float32")
+    assert_all_close([model(x)], [pm(x)])
+
+
+def test_save_and_load_a_split_functional_model(tmp_path):
+    model = resnet_like()
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=2, num_micro_batches=2)
+    x = np.random.RandomState(3).rand(4, 8, 8, 3).astype("float32")
+    pm.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert_all_close([pm.predict(x, verbose=0)], [loaded.predict(x, verbose=0)])
+    assert loaded._node_balance == pm._node_balance
+
+
+def test_not_a_functional_model():
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="functional"):
+        tf_gpipe.PipelineModel.from_model(Sub(), num_stages=1)

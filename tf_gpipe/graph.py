@@ -1,0 +1,140 @@
+"""Split a functional Keras model into consecutive stages, carrying skip connections."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import keras
+from keras.src import tree
+from keras.src.models.functional import operation_fn
+
+__all__ = ["GraphStage", "graph_nodes", "split_graph"]
+
+
+def graph_nodes(model: keras.Model) -> list:
+    """The model's computation nodes in the order Keras runs them (inputs excluded)."""
+    if not hasattr(model, "_nodes_by_depth"):
+        raise TypeError(
+            f"tf_gpipe: from_model needs a functional Keras model (keras.Model(inputs, outputs)) "
+            f"or a keras.Sequential; got {type(model).__name__}. Subclassed models have no graph "
+            "to cut: pass their layers as a list to PipelineModel instead."
+        )
+    nodes = []
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if node.operation is not None and not node.is_input:
+                nodes.append(node)
+    return nodes
+
+
+class GraphStage(keras.layers.Layer):
+    """Consecutive nodes of a functional model, run as one layer.
+
+    A middle stage takes and returns a dict of the tensors alive at its cuts
+    (keys ``"t<n>"``): what later stages or the model's outputs still need,
+    skip connections included, so a tensor that skips stages is carried
+    through them. The first stage takes the model's own inputs; the last
+    returns the model's outputs.
+    """
+
+    def __init__(
+        self,
+        source: keras.Model,
+        nodes: Sequence[Any],
+        in_keys: Dict[str, int],
+        out_keys: Dict[str, int],
+        first: bool,
+        last: bool,
+        **kwargs: Any,
+    ):
+        super().__init__(**kwargs)
+        self._source = lambda: source  # a callable: Keras must not track the whole model here
+        self._nodes = list(nodes)
+        self._in_keys, self._out_keys = dict(in_keys), dict(out_keys)
+        self._first, self._last = first, last
+        ops, seen = [], set()
+        for node in self._nodes:
+            if id(node.operation) not in seen:
+                seen.add(id(node.operation))
+                ops.append(node.operation)
+        self.stage_ops = ops  # tracked: this stage owns these layers' weights
+        self.built = True
+
+    def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
+        source = self._source()
+        if self._first:
+            flat = source._standardize_inputs(inputs)
+            values = {id(x): y for x, y in zip(source.inputs, flat)}
+        else:
+            values = {self._in_keys[k]: v for k, v in inputs.items()}
+        for node in self._nodes:
+            args, kwargs = node.arguments.fill_in(values)
+            outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
+            for x, y in zip(node.outputs, tree.flatten(outputs)):
+                values[id(x)] = y
+        if self._last:
+            outs = [values[id(x)] for x in source.outputs]
+            packed = tree.pack_sequence_as(source._outputs_struct, outs)
+            return packed[0] if isinstance(packed, list) and len(packed) == 1 else packed
+        return {k: values[i] for k, i in self._out_keys.items()}
+
+
+def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage") -> List[GraphStage]:
+    """Cut ``model``'s nodes into ``len(balance)`` consecutive stages of ``balance[i]`` nodes."""
+    nodes = graph_nodes(model)
+    if sum(balance) != len(nodes):
+        raise ValueError(
+            f"tf_gpipe: balance={list(balance)} sums to {sum(balance)} but the model has "
+            f"{len(nodes)} nodes to split."
+        )
+    stage_of = {}
+    groups, start = [], 0
+    for k, size in enumerate(balance):
+        groups.append(nodes[start : start + size])
+        for node in groups[-1]:
+            stage_of.setdefault(id(node.operation), set()).add(k)
+        start += size
+    for node in nodes:
+        stages = sorted(stage_of[id(node.operation)])
+        if len(stages) > 1:
+            raise ValueError(
+                f"tf_gpipe: layer {node.operation.name!r} is used in stages {stages}. A shared "
+                "(tied) layer keeps its variables on one device, so all its uses must fall in "
+                "one stage: choose a balance whose cuts keep them together (or untie the weights)."
+            )
+    # Which tensor each cut must carry: produced before it, used at or after it.
+    produced_before: List[set] = []
+    seen = {id(x) for x in model.inputs}
+    for group in groups:
+        produced_before.append(set(seen))
+        for node in group:
+            seen.update(id(x) for x in node.outputs)
+    needed_from: List[set] = [set() for _ in groups]
+    later = {id(x) for x in model.outputs}
+    for k in range(len(groups) - 1, -1, -1):
+        for node in groups[k]:
+            later.update(id(x) for x in node.input_tensors)
+        needed_from[k] = set(later)
+    index: Dict[int, int] = {}
+
+    def keys(ids):
+        for i in sorted(ids, key=lambda t: index.setdefault(t, len(index))):
+            index.setdefault(i, len(index))
+        return {f"t{index[i]:04d}": i for i in ids}
+
+    stages = []
+    for k, group in enumerate(groups):
+        carried_in = produced_before[k] & needed_from[k]
+        carried_out = (produced_before[k + 1] & needed_from[k + 1]) if k + 1 < len(groups) else set()
+        stages.append(
+            GraphStage(
+                model,
+                group,
+                keys(carried_in),
+                keys(carried_out),
+                first=k == 0,
+                last=k == len(groups) - 1,
+                name=f"{name}_{k}",
+            )
+        )
+    return stages
