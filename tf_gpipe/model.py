@@ -8,13 +8,10 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import keras
 import tensorflow as tf
 from keras.src import tree
-from keras.src.losses import loss as _loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
 
-from tf_gpipe import microbatch, schedules
+from tf_gpipe import microbatch, schedules, structure, trainer
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
-from tf_gpipe.executor import accumulate, run_schedule
 from tf_gpipe.partition import split_by_balance
 from tf_gpipe.pipeline import REMAT_MODES, Pipeline
 
@@ -54,72 +51,6 @@ def _unpack_layers(layers: Any):
                 hint = " It is a tf.keras (Keras 2) layer; build it with `import keras` (Keras 3)."
             raise TypeError(f"tf_gpipe: layers[{i}] is {type(layer).__name__}, not a Keras layer.{hint}")
     return layers, spec
-
-
-def _is_float(t: Any) -> bool:
-    return t is not None and tf.as_dtype(t.dtype).is_floating
-
-
-def _to_tensors(structure: Any) -> Any:
-    return tf.nest.map_structure(
-        lambda t: t if t is None or tf.is_tensor(t) else tf.convert_to_tensor(t), structure
-    )
-
-
-def _shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
-    """Each micro-batch's share n_m / N of the mini-batch.
-
-    Losses that layers add are batch means (Keras divides activity regularization by
-    the batch size), so weighting each micro-batch's by its share adds up to the
-    unsplit model's value.
-    """
-    total = tf.cast(batch_size, tf.float32)
-    return [tf.math.divide_no_nan(tf.cast(n, tf.float32), total) for n in sizes]
-
-
-def _colocate_slots(optimizer: Any) -> None:
-    """Make the optimizer create each slot (momentum, velocity...) on its variable's device.
-
-    Keras asks the distribution strategy to colocate slots, which the default
-    strategy ignores in eager mode: every stage's slots would land on device 0.
-    """
-    if optimizer is None or getattr(optimizer, "_tf_gpipe_colocated", False):
-        return
-    _colocate_slots(getattr(optimizer, "inner_optimizer", None))
-    original = optimizer.add_variable_from_reference
-
-    def add_variable_from_reference(reference_variable, *args, **kwargs):
-        raw = getattr(reference_variable, "_value", reference_variable)
-        with tf.device(getattr(raw, "device", None) or None):
-            return original(reference_variable, *args, **kwargs)
-
-    optimizer.add_variable_from_reference = add_variable_from_reference
-    optimizer._tf_gpipe_colocated = True
-
-
-def _zeros_like_spec(spec: Any) -> Any:
-    def one(t):
-        if t is None:
-            return None
-        shape = [1 if d is None else d for d in t.shape]
-        return tf.zeros(shape, dtype=t.dtype)
-
-    return tf.nest.map_structure(one, spec)
-
-
-def _batch_size(structure: Any) -> tf.Tensor:
-    return tf.shape(next(t for t in tf.nest.flatten(structure) if t is not None))[0]
-
-
-def _spec_from(structure: Any) -> Any:
-    def one(t):
-        if t is None:
-            return None
-        dtype = getattr(t, "dtype", "float32")
-        dtype = dtype.name if isinstance(dtype, tf.DType) else str(dtype)
-        return keras.KerasTensor(tuple(t.shape), dtype=dtype)
-
-    return tf.nest.map_structure(one, structure)
 
 
 @keras.saving.register_keras_serializable(package="tf_gpipe")
@@ -283,7 +214,7 @@ class PipelineModel(keras.Model):
         self._allow_non_tensor_positional_args = True
         self._build_spec = None
         if spec is not None:
-            self._build_cells(_spec_from(spec))
+            self._build_cells(structure.spec_from(spec))
 
     @classmethod
     def from_model(
@@ -356,7 +287,7 @@ class PipelineModel(keras.Model):
         )
         instance._source_model = model
         instance._node_balance = list(node_balance)
-        instance._build_cells(_spec_from(spec))
+        instance._build_cells(structure.spec_from(spec))
         return instance
 
     # ------------------------------------------------------------------ properties
@@ -420,7 +351,7 @@ class PipelineModel(keras.Model):
         # Keras would build from shapes alone; the real dtypes matter (token ids, masks).
         if not self.built:
             microbatch.check_batched(call_spec.first_arg)
-            self._build_cells(_spec_from(call_spec.first_arg))
+            self._build_cells(structure.spec_from(call_spec.first_arg))
         return super()._maybe_build(call_spec)
 
     def get_build_config(self) -> dict:
@@ -448,7 +379,7 @@ class PipelineModel(keras.Model):
 
     # ------------------------------------------------------------------ running
     def _split(self, inputs: Any, mask: Any):
-        main, side = self._separate(_to_tensors(inputs))
+        main, side = self._separate(structure.to_tensors(inputs))
         joint = microbatch.split((main, mask, side), self.num_micro_batches)
         xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
         return xs, [c[1] for c in joint.chunks], [c[2] for c in joint.chunks]
@@ -462,7 +393,7 @@ class PipelineModel(keras.Model):
             for t, m in zip(tf.nest.flatten(outputs), tf.nest.flatten(merged_mask)):
                 if m is not None:
                     keras.src.backend.set_keras_mask(t, m)
-        for share, row in zip(_shares(xs.sizes, _batch_size(inputs)), losses):
+        for share, row in zip(trainer.shares(xs.sizes, structure.batch_size(inputs)), losses):
             for loss in row:
                 self.add_loss(loss * tf.cast(share, loss.dtype))
         return outputs
@@ -478,7 +409,7 @@ class PipelineModel(keras.Model):
             )
         super().compile(*args, jit_compile=False, **kwargs)
         self._compile_config.config["jit_compile"] = jit_compile
-        _colocate_slots(self.optimizer)
+        trainer.colocate_slots(self.optimizer)
 
     def compile_from_config(self, config: dict) -> None:
         """Re-compile a loaded model (``keras.models.load_model``) as it was saved."""
@@ -490,137 +421,8 @@ class PipelineModel(keras.Model):
     def train_step(self, data: Any) -> dict:
         """One mini-batch: the schedule's forwards and backwards stage by stage,
         gradients summed per device, one optimizer update, metrics on the whole batch."""
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        x = _to_tensors(x)
-        # Losses an earlier call (evaluate, predict) added belong to another graph; __call__
-        # would clear them, but the training step runs the stages without it.
-        self._clear_losses()
-        if not self.built:
-            self._build_cells(_spec_from(x))
-        exact = self.schedule != "gpipe"
-        main, side = self._separate(x)
-        joint = microbatch.split((main, y, sample_weight, side), self.num_micro_batches, exact=exact)
-        xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
-        plan = schedules.get(self.schedule, self.num_stages, len(xs), self.virtual_stages)
-        trainable = self.trainable_weights
-        opt = self.optimizer
-        unit = tf.constant(1.0) if opt is None else tf.convert_to_tensor(opt.scale_loss(tf.constant(1.0)))
-        batch_size = _batch_size(x)
-        shares = _shares(joint.sizes, batch_size)
-        state: dict = {"direct": [None] * len(trainable), "loss": []}
-        deferred = self._pipeline.deferred_stats(True)
+        return trainer.train_step(self, data)
 
-        def batch_loss(outs):
-            # Fill-drain: every forward is done, so the loss sees the whole mini-batch,
-            # exactly as the unsplit model's does (any loss, any reduction).
-            flat = [tf.nest.flatten(o) for o in outs]
-            watched = [t for f in flat for t in f if _is_float(t)]
-            with tf.GradientTape() as tape:
-                tape.watch(watched)
-                y_pred = microbatch.merge(outs)
-                loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-                scaled = loss if opt is None else opt.scale_loss(loss)
-            state["loss"].append(loss)
-            got = tape.gradient(
-                scaled, watched + list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
-            )
-            state["direct"] = got[len(watched) :]
-            it = iter(got[: len(watched)])
-            return [[next(it) if _is_float(t) else None for t in f] for f in flat]
-
-        def micro_loss(m, out):
-            _, y_m, sw_m, _ = joint.chunks[m]
-            flat = tf.nest.flatten(out)
-            watched = [t for t in flat if _is_float(t)]
-            with tf.GradientTape() as tape:
-                tape.watch(watched)
-                value = self._micro_batch_loss(y_m, out, sw_m, joint.sizes[m], batch_size)
-                if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
-                    value = tf.reduce_sum(value)
-                nonempty = joint.nonempty(m)
-                if nonempty is not None:  # the mean over an empty micro-batch is NaN
-                    value = tf.where(nonempty, value, tf.zeros_like(value))
-                scaled = value if opt is None else opt.scale_loss(value)
-            state["loss"].append(value)
-            got = iter(tape.gradient(scaled, watched, unconnected_gradients=tf.UnconnectedGradients.NONE))
-            return [next(got) if _is_float(t) else None for t in flat]
-
-        outs, totals, cell_losses = run_schedule(
-            plan,
-            self._pipeline.cells,
-            xs,
-            [None] * len(xs),
-            self._pipeline.rematerializes,
-            sides=[c[3] for c in joint.chunks],
-            batch_loss=batch_loss if not exact else None,
-            micro_loss=micro_loss if exact else None,
-            cell_loss_grads=[unit * share for share in shares],
-            tracer=self._tracer,
-            deferred=deferred,
-        )
-        if deferred is not None:
-            deferred.apply()
-        y_pred = microbatch.merge(outs)
-        loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
-        if exact and self.losses:
-            # Regularization terms read the weights directly: once per mini-batch.
-            with tf.GradientTape() as tape:
-                reg = tf.add_n([self._aggregate_additional_loss(r) for r in self.losses])
-                scaled = reg if opt is None else opt.scale_loss(reg)
-            state["direct"] = tape.gradient(
-                scaled, list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
-            )
-            loss = loss + tf.cast(reg, loss.dtype)
-        weighted = [
-            tf.cast(c * tf.cast(share, c.dtype), loss.dtype)
-            for row, share in zip(cell_losses, shares)
-            for c in row
-        ]
-        if weighted:
-            loss = loss + tf.add_n(weighted)
-        self._loss_tracker.update_state(
-            _loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
-        )
-        if trainable:
-            final = []
-            for v, g in zip(trainable, state["direct"]):
-                total = totals.get(id(v))
-                if g is not None:
-                    with tf.device(v.value.device):
-                        total = accumulate(total, g)
-                final.append(total)
-            opt.apply_gradients(zip(final, trainable))
-        else:
-            warnings.warn("The model does not have any trainable weights.")
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def _micro_batch_loss(self, y_m, out_m, sw_m, n_m, batch_size):
-        """The compiled loss of one micro-batch, weighted so the micro-batches sum to
-        the mini-batch loss (1F1B must start a backward before the batch is complete)."""
-        if self._compile_loss is None:
-            raise ValueError(
-                f"tf_gpipe: schedule={self.schedule!r} computes the loss per micro-batch and "
-                "needs `loss=` in compile(); for a custom compute_loss use schedule='gpipe'."
-            )
-        value = self._compile_loss(y_m, out_m, sw_m)
-        reductions = {
-            getattr(getattr(fl, "loss", None), "reduction", "sum_over_batch_size")
-            for fl in (self._compile_loss._flat_losses or [])
-        }
-        if reductions <= {"sum"}:
-            return value
-        if reductions <= {"sum_over_batch_size", "mean"} or (
-            sw_m is None and reductions <= {"sum_over_batch_size", "mean", "mean_with_sample_weight"}
-        ):
-            share = tf.cast(n_m, value.dtype) / tf.cast(batch_size, value.dtype)
-            return value * share
-        raise ValueError(
-            f"tf_gpipe: schedule={self.schedule!r} splits the loss over micro-batches, which "
-            f"needs reduction 'sum_over_batch_size' or 'sum' (got {sorted(map(str, reductions))}). "
-            "Use schedule='gpipe', which computes the loss on the whole mini-batch."
-        )
-
-    # ------------------------------------------------------------------ saving
     def get_config(self) -> dict:
         if self._source_model is not None:
             return {
@@ -694,6 +496,6 @@ class PipelineModel(keras.Model):
         seq = keras.Sequential(clones, name=name or f"{self.name}_sequential")
         # Build the copy by running it once on zeros: a symbolic call cannot build
         # layers that take tuples or dicts (Concatenate, custom layers).
-        seq(_zeros_like_spec(self._build_spec), training=False)
+        seq(structure.zeros_like_spec(self._build_spec), training=False)
         seq.set_weights(self.get_weights())
         return seq

@@ -1,0 +1,184 @@
+"""One training step of a PipelineModel: schedule, loss, gradients, one optimizer update."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, List
+
+import tensorflow as tf
+from keras.src.losses import loss as _loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tf_gpipe import microbatch, schedules, structure
+from tf_gpipe.executor import accumulate, run_schedule
+
+__all__ = ["train_step", "colocate_slots", "shares"]
+
+
+def shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
+    """Each micro-batch's share n_m / N of the mini-batch.
+
+    Losses that layers add are batch means (Keras divides activity regularization by
+    the batch size), so weighting each micro-batch's by its share adds up to the
+    unsplit model's value.
+    """
+    total = tf.cast(batch_size, tf.float32)
+    return [tf.math.divide_no_nan(tf.cast(n, tf.float32), total) for n in sizes]
+
+
+def colocate_slots(optimizer: Any) -> None:
+    """Make the optimizer create each slot (momentum, velocity...) on its variable's device.
+
+    Keras asks the distribution strategy to colocate slots, which the default
+    strategy ignores in eager mode: every stage's slots would land on device 0.
+    """
+    if optimizer is None or getattr(optimizer, "_tf_gpipe_colocated", False):
+        return
+    colocate_slots(getattr(optimizer, "inner_optimizer", None))
+    original = optimizer.add_variable_from_reference
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        raw = getattr(reference_variable, "_value", reference_variable)
+        with tf.device(getattr(raw, "device", None) or None):
+            return original(reference_variable, *args, **kwargs)
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+    optimizer._tf_gpipe_colocated = True
+
+
+def train_step(model: Any, data: Any) -> dict:
+    """One mini-batch: the schedule's forwards and backwards stage by stage,
+    gradients summed per device, one optimizer update, metrics on the whole batch."""
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x = structure.to_tensors(x)
+    # Losses an earlier call (evaluate, predict) added belong to another graph; __call__
+    # would clear them, but the training step runs the stages without it.
+    model._clear_losses()
+    if not model.built:
+        model._build_cells(structure.spec_from(x))
+    exact = model.schedule != "gpipe"
+    main, side = model._separate(x)
+    joint = microbatch.split((main, y, sample_weight, side), model.num_micro_batches, exact=exact)
+    xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
+    plan = schedules.get(model.schedule, model.num_stages, len(xs), model.virtual_stages)
+    trainable = model.trainable_weights
+    opt = model.optimizer
+    unit = tf.constant(1.0) if opt is None else tf.convert_to_tensor(opt.scale_loss(tf.constant(1.0)))
+    batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+    weights = shares(joint.sizes, batch_size)
+    state: dict = {"direct": [None] * len(trainable), "loss": []}
+    deferred = model._pipeline.deferred_stats(True)
+
+    def batch_loss(outs):
+        # Fill-drain: every forward is done, so the loss sees the whole mini-batch,
+        # exactly as the unsplit model's does (any loss, any reduction).
+        flat = [tf.nest.flatten(o) for o in outs]
+        watched = [t for f in flat for t in f if structure.is_float(t)]
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            y_pred = microbatch.merge(outs)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            scaled = loss if opt is None else opt.scale_loss(loss)
+        state["loss"].append(loss)
+        got = tape.gradient(
+            scaled, watched + list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
+        )
+        state["direct"] = got[len(watched) :]
+        it = iter(got[: len(watched)])
+        return [[next(it) if structure.is_float(t) else None for t in f] for f in flat]
+
+    def micro_loss(m, out):
+        _, y_m, sw_m, _ = joint.chunks[m]
+        flat = tf.nest.flatten(out)
+        watched = [t for t in flat if structure.is_float(t)]
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            value = _micro_batch_loss(model, y_m, out, sw_m, joint.sizes[m], batch_size)
+            if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
+                value = tf.reduce_sum(value)
+            nonempty = joint.nonempty(m)
+            if nonempty is not None:  # the mean over an empty micro-batch is NaN
+                value = tf.where(nonempty, value, tf.zeros_like(value))
+            scaled = value if opt is None else opt.scale_loss(value)
+        state["loss"].append(value)
+        got = iter(tape.gradient(scaled, watched, unconnected_gradients=tf.UnconnectedGradients.NONE))
+        return [next(got) if structure.is_float(t) else None for t in flat]
+
+    outs, totals, cell_losses = run_schedule(
+        plan,
+        model._pipeline.cells,
+        xs,
+        [None] * len(xs),
+        model._pipeline.rematerializes,
+        sides=[c[3] for c in joint.chunks],
+        batch_loss=batch_loss if not exact else None,
+        micro_loss=micro_loss if exact else None,
+        cell_loss_grads=[unit * share for share in weights],
+        tracer=model._tracer,
+        deferred=deferred,
+    )
+    if deferred is not None:
+        deferred.apply()
+    y_pred = microbatch.merge(outs)
+    loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
+    if exact and model.losses:
+        # Regularization terms read the weights directly: once per mini-batch.
+        with tf.GradientTape() as tape:
+            reg = tf.add_n([model._aggregate_additional_loss(r) for r in model.losses])
+            scaled = reg if opt is None else opt.scale_loss(reg)
+        state["direct"] = tape.gradient(
+            scaled, list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
+        )
+        loss = loss + tf.cast(reg, loss.dtype)
+    weighted = [
+        tf.cast(c * tf.cast(share, c.dtype), loss.dtype)
+        for row, share in zip(cell_losses, weights)
+        for c in row
+    ]
+    if weighted:
+        loss = loss + tf.add_n(weighted)
+    model._loss_tracker.update_state(
+        _loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+    )
+    if trainable:
+        final = []
+        for v, g in zip(trainable, state["direct"]):
+            total = totals.get(id(v))
+            if g is not None:
+                with tf.device(v.value.device):
+                    total = accumulate(total, g)
+            final.append(total)
+        opt.apply_gradients(zip(final, trainable))
+    else:
+        warnings.warn("The model does not have any trainable weights.")
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _micro_batch_loss(model: Any, y_m, out_m, sw_m, n_m, batch_size):
+    """The compiled loss of one micro-batch, weighted so the micro-batches sum to
+    the mini-batch loss (1F1B must start a backward before the batch is complete)."""
+    if model._compile_loss is None:
+        raise ValueError(
+            f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and "
+            "needs `loss=` in compile(); for a custom compute_loss use schedule='gpipe'."
+        )
+    value = model._compile_loss(y_m, out_m, sw_m)
+    reductions = {
+        getattr(getattr(fl, "loss", None), "reduction", "sum_over_batch_size")
+        for fl in (model._compile_loss._flat_losses or [])
+    }
+    if reductions <= {"sum"}:
+        return value
+    if reductions <= {"sum_over_batch_size", "mean"} or (
+        sw_m is None and reductions <= {"sum_over_batch_size", "mean", "mean_with_sample_weight"}
+    ):
+        share = tf.cast(n_m, value.dtype) / tf.cast(batch_size, value.dtype)
+        return value * share
+    raise ValueError(
+        f"tf_gpipe: schedule={model.schedule!r} splits the loss over micro-batches, which "
+        f"needs reduction 'sum_over_batch_size' or 'sum' (got {sorted(map(str, reductions))}). "
+        "Use schedule='gpipe', which computes the loss on the whole mini-batch."
+    )
+
+
+# ------------------------------------------------------------------ saving
