@@ -286,3 +286,11 @@ def test_numpy_input_accepted_like_sequential():
     out = model(x)
     seq = keras.Sequential(layers)
     np.testing.assert_allclose(np.asarray(out), np.asarray(seq(x)), rtol=1e-6)
+
+
+def test_layer_shared_across_stages_is_refused():
+    shared = keras.layers.Dense(4, name="tied_dense")
+    layers = [shared, keras.layers.Dense(4), shared]
+    msg = _error(ValueError, lambda: PipelineModel(layers, num_stages=3))
+    assert "tied_dense" in msg and "stages [0, 2]" in msg and "balance" in msg
+    PipelineModel(layers, num_stages=1)  # all uses in one stage: fine

@@ -53,6 +53,21 @@ def _unpack_layers(layers: Any):
     return layers, spec
 
 
+def _check_tied_layers(groups: List[List[keras.layers.Layer]]) -> None:
+    """A layer object used in two stages would have one set of variables on one device."""
+    where: dict = {}
+    for s, group in enumerate(groups):
+        for layer in group:
+            where.setdefault(id(layer), (layer, set()))[1].add(s)
+    for layer, stages in where.values():
+        if len(stages) > 1:
+            raise ValueError(
+                f"tf_gpipe: layer {layer.name!r} appears in stages {sorted(stages)}. A shared "
+                "(tied) layer keeps its variables on one device, so all its uses must be in one "
+                "stage: pass a balance that keeps them together (or untie the weights)."
+            )
+
+
 @keras.saving.register_keras_serializable(package="tf_gpipe")
 class PipelineModel(keras.Model):
     """A sequence of Keras layers split into stages on devices, trained with GPipe.
@@ -178,6 +193,7 @@ class PipelineModel(keras.Model):
                 num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
             groups = split_by_balance(layer_list, num_stages * virtual_stages, None)
         num_stages = len(groups) // virtual_stages
+        _check_tied_layers(groups)
         # Validates the name, virtual_stages and M against the schedule before anything is built.
         schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
         self._devices_arg = (
