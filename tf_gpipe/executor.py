@@ -175,5 +175,9 @@ def run_schedule(
                         totals[id(v)] = accumulate(totals.get(id(v)), g)
             if s > 0:
                 grads_in[(s - 1, m)] = in_grads
-            last[d] = mark("end " + tag, d, _done(in_grads, var_grads))
+            # The device's next action waits for the sums, not just this backward's
+            # gradients: otherwise Grappler folds the chain of adds into one AddN over
+            # every micro-batch, which keeps M copies of the weight gradients alive.
+            sums = [totals[id(v)] for v, g in zip(variables, var_grads) if g is not None]
+            last[d] = mark("end " + tag, d, _done(in_grads, sums))
     return outputs, totals, cell_losses
