@@ -10,7 +10,6 @@ at a schedule, not while measuring peak speed.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import threading
 import time
@@ -40,14 +39,25 @@ class Recorder:
     def __init__(self) -> None:
         self._events: List[Tuple[float, int, str]] = []
         self._lock = threading.Lock()
+        self._tokens: Dict[int, tf.Variable] = {}
 
     def marker(self, label: str, device: int, deps: Sequence[tf.Tensor]) -> tf.Tensor:
         """A tensor that, when computed (after ``deps``), logs ``label`` with the time."""
         deps = [d for d in deps if d is not None]
+        # tf.function orders stateful ops without resource inputs all in one chain, which
+        # would serialize the devices; reading a per-device variable confines each marker's
+        # ordering to its own device.
+        token = self._token(device)
         with tf.control_dependencies(deps):
             return tf.py_function(
-                functools.partial(self._log, label, device), [], Tout=tf.float64, name="timeline_marker"
+                lambda _: self._log(label, device), [token.handle], Tout=tf.float64, name="timeline_marker"
             )
+
+    def _token(self, device: int) -> tf.Variable:
+        if device not in self._tokens:
+            with tf.init_scope():
+                self._tokens[device] = tf.Variable(0, name=f"timeline_device{device}", trainable=False)
+        return self._tokens[device]
 
     def _log(self, label: str, device: int) -> float:
         t = time.perf_counter()
@@ -196,6 +206,7 @@ def save_gantt(
     ax.set_yticks(devices)
     ax.set_yticklabels([device_names[d] if device_names else f"device {d}" for d in devices])
     ax.invert_yaxis()
+    ax.margins(x=0.09)  # room for the legend after the last spans
     ax.set_xlabel("time (ms)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     ax.legend(handles, ["forward", "recompute", "backward"], loc="upper right", fontsize=8)

@@ -1,0 +1,197 @@
+"""A Keras layer that models one pipeline device as a serial resource of known cost.
+
+``SerialWork(device_index, forward_ms, backward_ms)`` is the identity times a
+trainable scalar (initialised to 1, so there is something for the optimizer to
+update). Its forward runs a host function that takes a per-device
+``threading.Lock`` and sleeps ``forward_ms``; its gradient (``tf.custom_gradient``)
+takes the same lock and sleeps ``backward_ms``. So a stage made of it costs a
+known time per action, whatever the batch, and two actions on the same modelled
+device can never overlap, while actions on different devices can. With
+``remat="always"`` tf_gpipe replays the forward inside the backward, so a
+backward then costs ``forward_ms + backward_ms``, exactly as a real
+re-materialized stage would.
+
+Sleeping releases the GIL and uses no CPU, so K sleeping "devices" run in
+parallel on a 2-core machine as long as TensorFlow has enough inter-op threads:
+call ``configure_threads()`` (or set ``inter_op_parallelism_threads`` to ~64
+yourself) before TensorFlow initializes.
+
+Host function flavour (``mode``):
+
+* ``"stateless"`` (default): ``tf.numpy_function(..., stateful=False)``. The
+  output (the input, passed through) feeds the rest of the layer, so the op is
+  never pruned, and being stateless it is not ordered by ``tf.function``'s
+  automatic control dependencies.
+* ``"py_function"``: ``tf.py_function``, as in the benchmark brief. Its op,
+  ``EagerPyFunc``, is stateful, and ``tf.function`` chains *every* stateful op
+  without resource inputs in program order (``auto_control_deps``:
+  ``last_write_to_resource[None]``). Inside Keras' ``train_function`` that
+  serializes all the sleeps of the step in the order tf_gpipe built them,
+  across devices: no pipelining at all. Kept to demonstrate that effect.
+
+Not part of the tf_gpipe package; used by the benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["SerialWork", "configure_threads", "device_lock", "work_log", "clear_work_log"]
+
+_LOCKS: Dict[int, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+# (device, kind, t_start, t_end, recomputing) per host-function call, when logging is on.
+_LOG: list = []
+_LOGGING = {"on": False}
+
+MODES = ("stateless", "py_function")
+
+
+def configure_threads(inter_op: int = 64, intra_op: int = 2) -> None:
+    """Enough inter-op threads that K blocked (sleeping) devices never starve the pool.
+
+    Must run before TensorFlow initializes (before the first op).
+    """
+    tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+
+
+def device_lock(device_index: int) -> threading.Lock:
+    """The lock that makes modelled device ``device_index`` a serial resource."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(device_index)
+        if lock is None:
+            lock = _LOCKS[device_index] = threading.Lock()
+        return lock
+
+
+def work_log(on: Optional[bool] = None) -> list:
+    """The host-side work log; ``work_log(True)`` starts logging, ``work_log(False)`` stops."""
+    if on is not None:
+        _LOGGING["on"] = on
+    return _LOG
+
+
+def clear_work_log() -> None:
+    del _LOG[:]
+
+
+def _hold(device_index: int, ms: float, kind: str) -> None:
+    lock = device_lock(device_index)
+    with lock:
+        t0 = time.perf_counter()
+        if ms > 0:
+            # sleep to a deadline: robust to early wake-ups
+            deadline = t0 + ms / 1e3
+            while True:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                time.sleep(left)
+        t1 = time.perf_counter()
+    if _LOGGING["on"]:
+        _LOG.append((device_index, kind, t0, t1))
+
+
+def _host(
+    x: tf.Tensor, device_index: int, ms: float, kind: str, mode: str, after: Optional[tf.Tensor] = None
+) -> tf.Tensor:
+    """``x`` passed through a host function that holds the device for ``ms``.
+
+    ``after``, if given, is a second (data) input: the work starts once it is
+    computed. A data input, not a control dependency: Grappler turns a stateless
+    node whose outputs only feed control edges into a NoOp.
+    """
+    inputs = [x] if after is None else [x, after]
+
+    def work(value, *_):
+        _hold(device_index, ms, kind)
+        return value
+
+    if mode == "stateless":
+        out = tf.numpy_function(
+            lambda *v: np.asarray(work(*v)), inputs, Tout=x.dtype, stateful=False,
+            name=f"serial_{kind}",
+        )
+    elif mode == "py_function":
+        out = tf.py_function(work, inputs, Tout=x.dtype, name=f"serial_{kind}")
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    out.set_shape(x.shape)
+    return out
+
+
+@keras.saving.register_keras_serializable(package="tf_gpipe_benchmarks")
+class SerialWork(keras.layers.Layer):
+    """Identity times a scalar weight; forward and backward cost a fixed time on a locked device.
+
+    Args:
+        device_index: which modelled device (lock) this layer's work holds.
+        forward_ms: sleep per forward call (per action: independent of the batch).
+        backward_ms: sleep per gradient call.
+        mode: ``"stateless"`` or ``"py_function"`` (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        device_index: int,
+        forward_ms: float,
+        backward_ms: float,
+        mode: str = "stateless",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.device_index = int(device_index)
+        self.forward_ms = float(forward_ms)
+        self.backward_ms = float(backward_ms)
+        self.mode = mode
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        d, fwd, bwd, mode = self.device_index, self.forward_ms, self.backward_ms, self.mode
+        # tf_gpipe.is_recomputing() is True while the backward replays the forward: the
+        # replay costs forward_ms again, as recomputing a real stage would.
+        try:
+            from tf_gpipe import is_recomputing
+
+            kind = "R" if is_recomputing() else "F"
+        except ImportError:  # pragma: no cover
+            kind = "F"
+
+        @tf.custom_gradient
+        def run(x, w):
+            y = _host(x, d, fwd, kind, mode) * w
+
+            def grad(dy):
+                # The backward consumes the forward's output: without it the gradient would
+                # not need the forward at all, and the replayed forward of a re-materialized
+                # stage (remat="always") would be pruned instead of costing forward_ms.
+                dy = _host(dy, d, bwd, "B", mode, after=y)
+                return dy * w, tf.reduce_sum(dy * x)
+
+            return y, grad
+
+        return run(x, keras.ops.convert_to_tensor(self.scale))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            device_index=self.device_index,
+            forward_ms=self.forward_ms,
+            backward_ms=self.backward_ms,
+            mode=self.mode,
+        )
+        return config

@@ -1,0 +1,350 @@
+"""Measured step time of each pipeline schedule against its simulated makespan.
+
+Every stage is one ``SerialWork`` layer (benchmarks/_serial_device.py): the
+identity times a scalar weight whose forward holds its device's lock and
+sleeps ``f`` ms and whose gradient holds it and sleeps ``b`` ms. A stage then
+costs exactly ``f`` per forward action and ``b`` per backward action (per
+*action*, not per example), devices can overlap and nothing else costs much,
+so the measured step time of ``PipelineModel.train_on_batch`` can be compared
+with ``tf_gpipe.schedules.get(...).simulate(f, b).makespan``, the time the
+schedule would take on ideal devices with free communication.
+
+Grid: K in --stages, M in --micro_batches, schedules gpipe, 1f1b and
+interleaved (v=--virtual_stages, only where M % K == 0; every virtual stage is
+one SerialWork of cost f/v, b/v so the work per micro-batch is the same), and
+remat in --remats. batch = M (one example per micro-batch). With
+remat="always" tf_gpipe replays each stage's forward inside its backward, so a
+backward action costs f + b: the theoretical time is then
+``simulate(forward_cost=f, backward_cost=f + b)``.
+
+Each K runs in a fresh subprocess (``configure_virtual_cpus(K)`` and the
+thread-pool sizes must precede TensorFlow's initialization) with
+inter_op_parallelism_threads=64 so that K sleeping devices never starve the
+pool, intra_op=2; every configuration is a new model after
+``keras.backend.clear_session()``; the first ``train_on_batch`` traces, then
+--warmup more, then the median of --steps timed calls.
+
+Efficiency = theoretical / measured (1.0 = the schedule runs as fast as its
+simulation). The remainder is tf_gpipe's and TensorFlow's per-action overhead
+on the critical path; the table divides it by ``n_crit``, the number of actions
+on the simulated critical path (d makespan / d per-action cost).
+
+Run (about 9-10 minutes on 2 busy cores with the defaults):
+
+    cd /work/main && PYTHONPATH=. python3 benchmarks/schedule_efficiency.py
+
+Writes benchmarks/out/schedule_efficiency.{json,png} and a copy of the plot to
+docs/images/schedule_efficiency.png (--image). ``--from_json=PATH`` reprints the
+tables and redraws the plot from a saved JSON. Never run by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402  (also puts the repo root on sys.path)
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("stages", ["2", "4", "8"], "Values of K (pipeline devices).")
+flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of M.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to run.")
+flags.DEFINE_list("remats", ["never", "always"], "remat modes.")
+flags.DEFINE_integer("virtual_stages", 2, "v for the interleaved schedule.")
+flags.DEFINE_float("forward_ms", 10.0, "f: cost of one forward action of one (whole) stage.")
+flags.DEFINE_float("backward_ms", 20.0, "b: cost of one backward action of one (whole) stage.")
+flags.DEFINE_integer("warmup", 1, "Untimed calls after the first (tracing) one.")
+flags.DEFINE_integer("steps", 3, "Timed train_on_batch calls per configuration (median reported).")
+flags.DEFINE_bool(
+    "py_function_demo", True,
+    "Also time one config (K=4, M=8, gpipe) with SerialWork(mode='py_function'), whose stateful "
+    "host op tf.function serializes across devices.",
+)
+flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string(
+    "image", os.path.join(_common.REPO_ROOT, "docs", "images", "schedule_efficiency.png"),
+    "Also save the plot here (for benchmarks/SCHEDULES.md); empty: only --out.",
+)
+flags.DEFINE_string(
+    "from_json", None,
+    "Print the tables and redraw the plot (into --out) from a saved schedule_efficiency.json; run nothing.",
+)
+# child mode
+flags.DEFINE_bool("child", False, "Internal: run every configuration of one K, print RESULT lines.")
+flags.DEFINE_integer("k", 4, "Internal (child): K.")
+
+
+def _theory(schedule, f: float, b: float, remat: str):
+    """(makespan, bubble, n_crit) of the simulated schedule with per-action costs."""
+    v = schedule.virtual_stages
+    fwd, bwd = f / v, (f + b if remat == "always" else b) / v
+    makespan = schedule.simulate(fwd, bwd).makespan
+    eps = 1e-3
+    n_crit = (schedule.simulate(fwd + eps, bwd + eps).makespan - makespan) / eps
+    bubble = schedule.bubble_fraction(fwd, bwd) if fwd + bwd > 0 else float("nan")
+    return makespan, bubble, round(n_crit)
+
+
+def child() -> None:
+    import _serial_device as sd
+
+    sd.configure_threads(inter_op=64, intra_op=2)  # before TensorFlow initializes
+    import tf_gpipe
+
+    K = FLAGS.k
+    tf_gpipe.configure_virtual_cpus(K)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")
+    f, b, v_inter = FLAGS.forward_ms, FLAGS.backward_ms, FLAGS.virtual_stages
+
+    configs = []
+    for remat in FLAGS.remats:
+        for M in map(int, FLAGS.micro_batches):
+            for name in FLAGS.schedules:
+                if name == "interleaved" and M % K:
+                    continue
+                configs.append((M, name, remat, "stateless"))
+    if FLAGS.py_function_demo and K == 4:
+        configs.append((8, "gpipe", "never", "py_function"))
+
+    for M, name, remat, mode in configs:
+        v = v_inter if name == "interleaved" else 1
+        keras.backend.clear_session()
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.InputLayer(shape=(4,))] + [
+            sd.SerialWork(s % K, f / v, b / v, mode=mode, name=f"serial_s{s}") for s in range(K * v)
+        ]
+        model = tf_gpipe.PipelineModel(
+            layers, num_stages=K, num_micro_batches=M, remat=remat, schedule=name, virtual_stages=v
+        )
+        model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+        rng = np.random.default_rng(0)
+        x = tf.constant(rng.standard_normal((M, 4), dtype=np.float32))
+        y = tf.constant(rng.standard_normal((M, 4), dtype=np.float32))
+        t0 = time.perf_counter()
+        model.train_on_batch(x, y)
+        trace_s = time.perf_counter() - t0
+        for _ in range(FLAGS.warmup):
+            model.train_on_batch(x, y)
+        times = []
+        for _ in range(FLAGS.steps):
+            t0 = time.perf_counter()
+            model.train_on_batch(x, y)  # returns numpy logs: synchronizes
+            times.append((time.perf_counter() - t0) * 1e3)
+        plan = tf_gpipe.schedules.get(name, K, M, v)
+        theory, bubble, n_crit = _theory(plan, f, b, remat)
+        measured = statistics.median(times)
+        result = dict(
+            K=K, M=M, schedule=name, v=v, remat=remat, mode=mode, measured_ms=measured,
+            times_ms=times, theory_ms=theory, efficiency=theory / measured, bubble=bubble,
+            n_crit=n_crit, trace_s=trace_s, f=f, b=b, loadavg=_common.loadavg(),
+        )
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def _rows(results, remat):
+    rows = []
+    for r in results:
+        if r["remat"] != remat or r["mode"] != "stateless":
+            continue
+        over = r["measured_ms"] - r["theory_ms"]
+        best = min(r["times_ms"])
+        sched = r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else "")
+        rows.append([
+            r["K"], r["M"], sched, f"{r['measured_ms']:.1f}", f"{r['theory_ms']:.1f}",
+            f"**{r['efficiency']:.3f}**" if r["efficiency"] < 0.9 else f"{r['efficiency']:.3f}",
+            f"{r['theory_ms'] / best:.3f}" if best > 0 else "n/a",
+            f"{r['bubble']:.3f}", f"{over:.1f}", r["n_crit"], f"{over / r['n_crit']:.2f}",
+        ])
+    return rows
+
+
+HEADERS = ["K", "M", "schedule", "measured ms (median)", "theoretical ms", "efficiency",
+           "efficiency (best step)", "bubble", "overhead ms", "n_crit", "overhead / crit. action ms"]
+
+
+def report(results, f: float, b: float, remats) -> None:
+    """The Markdown tables and the summary lines."""
+    for remat in remats:
+        rows = _rows(results, remat)
+        if not rows:
+            continue
+        bwd = f"f+b = {f + b:g}" if remat == "always" else f"b = {b:g}"
+        print(f"\n## remat={remat} (forward f = {f:g} ms, backward {bwd} ms per stage)\n")
+        print(_common.md_table(HEADERS, rows))
+    ok = [r for r in results if r["mode"] == "stateless"]
+    if ok and f + b > 0:
+        worst = min(ok, key=lambda r: r["efficiency"])
+        below = [r for r in ok if r["efficiency"] < 0.9]
+        best_eff = [r["theory_ms"] / min(r["times_ms"]) for r in ok]
+        print(
+            f"\n- efficiency (median step): min {worst['efficiency']:.3f} (K={worst['K']} M={worst['M']} "
+            f"{worst['schedule']} remat={worst['remat']}), median "
+            f"{statistics.median(r['efficiency'] for r in ok):.3f}; {len(below)} of {len(ok)} "
+            "configurations below 0.9"
+        )
+        print(
+            f"- efficiency (best step): min {min(best_eff):.3f}, median {statistics.median(best_eff):.3f}; "
+            f"{sum(e < 0.9 for e in best_eff)} of {len(ok)} configurations below 0.9"
+        )
+    for r in results:
+        if r["mode"] != "py_function":
+            continue
+        serial = r["K"] * r["M"] * (f + b)
+        print(
+            f"- SerialWork(mode='py_function') K={r['K']} M={r['M']} {r['schedule']}: measured "
+            f"{r['measured_ms']:.0f} ms vs theoretical {r['theory_ms']:.0f} ms and fully serial "
+            f"K*M*(f+b) = {serial:.0f} ms: tf.function chains stateful host ops across devices"
+        )
+
+
+def parent() -> None:
+    if FLAGS.from_json:
+        with open(FLAGS.from_json) as fh:
+            saved = json.load(fh)
+        f, b, results = saved["forward_ms"], saved["backward_ms"], saved["results"]
+        print(f"# from {FLAGS.from_json}: loadavg at start {saved['load_start']}, at end {saved['load_end']}")
+        report(results, f, b, ["never", "always"])
+        os.makedirs(FLAGS.out, exist_ok=True)
+        _plot([r for r in results if r["mode"] == "stateless"],
+              os.path.join(FLAGS.out, "schedule_efficiency.png"), f, b)
+        return
+    load_start = _common.loadavg()
+    f, b = FLAGS.forward_ms, FLAGS.backward_ms
+    print("# tf_gpipe schedule efficiency benchmark (SerialWork devices)\n")
+    for line in _common.env_lines():
+        print(f"- {line}")
+    print("- children: inter_op_parallelism_threads=64, intra_op_parallelism_threads=2")
+    print(f"- {_common.tf_gpipe_line()}")
+    print(f"- loadavg at start: {load_start}")
+    ours = [f_.name for f_ in FLAGS.get_key_flags_for_module(sys.modules[__name__])
+            if f_.name not in ("child", "k", "from_json")]
+    print("- flags: " + " ".join(f"--{k}={FLAGS[k].value}" for k in ours))
+    print(f"- per-action costs: forward f={f:g} ms, backward b={b:g} ms per stage (f/v, b/v per "
+          f"virtual stage); remat=always backward = f+b\n", flush=True)
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _common.REPO_ROOT) if p)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    results, loads = [], [load_start]
+    t_all = time.perf_counter()
+    def flag_arg(name):
+        value = FLAGS[name].value
+        return f"--{name}={','.join(value) if isinstance(value, list) else value}"
+
+    passthrough = [
+        flag_arg(name)
+        for name in ("micro_batches", "schedules", "remats", "virtual_stages", "forward_ms",
+                     "backward_ms", "warmup", "steps", "py_function_demo")
+    ]
+    for K in map(int, FLAGS.stages):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", f"--k={K}"] + passthrough
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for line in proc.stdout:
+            if not line.startswith("RESULT "):
+                continue
+            r = json.loads(line[len("RESULT "):])
+            results.append(r)
+            loads.append(r["loadavg"])
+            print(
+                f"K={r['K']} M={r['M']:2d} {r['schedule']:11s} remat={r['remat']:6s} {r['mode']:11s} "
+                f"measured={r['measured_ms']:7.1f} ms theory={r['theory_ms']:7.1f} ms "
+                f"eff={r['efficiency']:.3f} (trace {r['trace_s']:.1f} s; load {r['loadavg'].split()[0]})",
+                flush=True,
+            )
+        err = proc.stderr.read()
+        if proc.wait() != 0:
+            print(f"K={K}: child failed (rc={proc.returncode})\n{err[-3000:]}")
+
+    report(results, f, b, FLAGS.remats)
+    ok = [r for r in results if r["mode"] == "stateless"]
+    load_end = _common.loadavg()
+    print(f"- loadavg at end: {load_end}; total wall {time.perf_counter() - t_all:.0f} s")
+
+    os.makedirs(FLAGS.out, exist_ok=True)
+    with open(os.path.join(FLAGS.out, "schedule_efficiency.json"), "w") as fh:
+        json.dump(
+            dict(env=_common.env_lines(), tf_gpipe=_common.tf_gpipe_line(), load_start=load_start,
+                 load_end=load_end, loads=loads, forward_ms=f, backward_ms=b, results=results),
+            fh, indent=1,
+        )
+    _plot(ok, os.path.join(FLAGS.out, "schedule_efficiency.png"), f, b)
+
+
+def _plot(results, path, f, b) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ks = sorted({r["K"] for r in results})
+    if not Ks:
+        return
+    fig, axes = plt.subplots(2, len(Ks), figsize=(5.2 * len(Ks), 8.2), squeeze=False)
+    colors = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved": "tab:green"}
+    styles = {"never": "-", "always": "--"}
+    for col, K in enumerate(Ks):
+        ax_e, ax_t = axes[0][col], axes[1][col]
+        for name, color in colors.items():
+            for remat, style in styles.items():
+                pts = sorted(
+                    (r["M"], r["efficiency"], r["measured_ms"], r["theory_ms"])
+                    for r in results if r["K"] == K and r["schedule"] == name and r["remat"] == remat
+                )
+                if not pts:
+                    continue
+                Ms = [p[0] for p in pts]
+                label = f"{name} remat={remat}"
+                ax_e.plot(Ms, [p[1] for p in pts], style, marker="o", color=color, label=label)
+                best = sorted((r["M"], r["theory_ms"] / min(r["times_ms"])) for r in results
+                              if r["K"] == K and r["schedule"] == name and r["remat"] == remat)
+                ax_e.plot([p[0] for p in best], [p[1] for p in best], linestyle="none", marker="_",
+                          markersize=10, color=color, alpha=0.6)
+                ax_t.plot(Ms, [p[2] for p in pts], style, marker="o", color=color, label=f"{label} measured")
+                ax_t.plot(Ms, [p[3] for p in pts], style, marker="x", color=color, alpha=0.4, lw=0.8)
+        ax_e.axhline(0.9, color="gray", lw=0.8, ls=":")
+        ax_e.set_ylim(0.5, 1.05)
+        ax_e.set_title(f"K = {K}")
+        ax_e.set_ylabel("efficiency = theoretical / measured\n(o median step, - best step)")
+        ax_t.set_ylabel("step time, ms (o measured, x theoretical)")
+        for ax in (ax_e, ax_t):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("M (micro-batches)")
+            ax.grid(alpha=0.3)
+        ax_t.set_yscale("log")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(
+        f"tf_gpipe schedules on SerialWork devices (f={f:g} ms, b={b:g} ms per stage action): "
+        "measured vs simulated"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    if FLAGS.image:
+        os.makedirs(os.path.dirname(FLAGS.image), exist_ok=True)
+        fig.savefig(FLAGS.image, dpi=100)
+        print(f"- wrote {FLAGS.image}")
+    plt.close(fig)
+    print(f"- wrote {path}")
+
+
+def main(argv):
+    del argv
+    if FLAGS.child:
+        child()
+    else:
+        parent()
+
+
+if __name__ == "__main__":
+    app.run(main)
