@@ -90,3 +90,29 @@ def test_weight_gradients_are_summed_as_they_arrive():
         peaks[M] = int(out.stdout.split("PEAK")[-1])
     weights = 8 * 512 * 512 * 4
     assert peaks[8] < peaks[1] + 1.5 * weights, peaks
+
+
+def test_exported_sequential_keeps_input_dtype_and_free_batch():
+    """0.1.0 (pre-release): to_sequential() recorded float32 inputs with the batch size of
+    the data that built the model."""
+    pm = tf_gpipe.PipelineModel(
+        [keras.layers.Embedding(50, 8), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)],
+        num_stages=2,
+    )
+    tokens = np.arange(40).reshape(4, 10) % 50
+    pm.predict(tokens, verbose=0)
+    seq = pm.to_sequential()
+    assert tuple(seq.inputs[0].shape) == (None, 10)
+    assert seq.inputs[0].dtype == "int32" or seq.inputs[0].dtype == "int64"
+    assert_all_close([seq.predict(tokens[:3], verbose=0)], [pm.predict(tokens[:3], verbose=0)])
+
+
+def test_balance_by_method_and_numpy_balance():
+    """0.1.0 (pre-release): balance='time' was split into characters, and a numpy balance
+    was refused as 'not positive integers'."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(5)] + [keras.layers.Dense(2048)]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, balance="params")
+    assert pm.balance == [5, 1]  # the heavy head alone
+    pm = tf_gpipe.PipelineModel([keras.layers.Dense(2) for _ in range(4)], balance=np.array([3, 1]))
+    assert pm.balance == [3, 1]

@@ -53,6 +53,20 @@ def _unpack_layers(layers: Any):
     return layers, spec
 
 
+def _balance_by_cost(method: str, layers: list, spec: Any, num_stages: Optional[int], v: int) -> List[int]:
+    from tf_gpipe import balance as balance_lib
+
+    if num_stages is None:
+        raise ValueError(f"tf_gpipe: balance={method!r} needs num_stages (how many stages to balance).")
+    if spec is None:
+        raise ValueError(
+            f"tf_gpipe: balance={method!r} measures each layer on a sample input, so the input "
+            "shape must be known: start the layers with keras.Input(shape=...), or compute it with "
+            f"tf_gpipe.balance.balance_by({method!r}, layers, num_stages, sample) and pass the list."
+        )
+    return balance_lib.balance_by(method, layers, num_stages * v, spec)
+
+
 def _check_tied_layers(groups: List[List[keras.layers.Layer]]) -> None:
     """A layer object used in two stages would have one set of variables on one device."""
     where: dict = {}
@@ -89,7 +103,10 @@ class PipelineModel(keras.Model):
             A leading ``keras.Input``/``InputLayer`` fixes the input shape.
         num_stages: K, the number of stages for an even split by layer count.
             Defaults to ``len(balance)``, else ``len(devices)``, else 1.
-        balance: layers per stage, e.g. ``[3, 3, 2, 2]``, instead of an even split.
+        balance: layers per stage, e.g. ``[3, 3, 2, 2]``, instead of an even split;
+            or ``"params"``, ``"time"`` or ``"memory"`` to cut where the largest stage's
+            cost is smallest (measured per layer on the input spec, so the layers must
+            start with a ``keras.Input``; see ``tf_gpipe.balance``).
         num_micro_batches: M, micro-batches per mini-batch. A batch smaller
             than M gives fewer (never empty) micro-batches where its size is known
             while tracing; elsewhere empty micro-batches are harmless.
@@ -179,6 +196,8 @@ class PipelineModel(keras.Model):
             isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
         ):
             raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
+        if isinstance(balance, str):  # "params" | "time" | "memory": measured on the input spec
+            balance = _balance_by_cost(balance, layer_list, spec, num_stages, virtual_stages)
         if balance is not None:  # balance has one entry per cell: K * virtual_stages
             groups = split_by_balance(
                 layer_list, None if num_stages is None else num_stages * virtual_stages, balance
@@ -509,6 +528,9 @@ class PipelineModel(keras.Model):
                 "weights with get_weights() into a functional model that wires them instead."
             )
         clones = [layer.__class__.from_config(layer.get_config()) for layer in self.stage_layers]
+        spec = self._build_spec
+        if isinstance(spec, keras.KerasTensor):  # keep the input dtype and a free batch size
+            clones.insert(0, keras.Input(batch_shape=(None,) + tuple(spec.shape[1:]), dtype=spec.dtype))
         seq = keras.Sequential(clones, name=name or f"{self.name}_sequential")
         # Build the copy by running it once on zeros: a symbolic call cannot build
         # layers that take tuples or dicts (Concatenate, custom layers).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Sequence, TypeVar
 
 __all__ = ["even_balance", "split_by_balance"]
@@ -38,7 +39,9 @@ def split_by_balance(
             raise ValueError("tf_gpipe: pass num_stages (an even split) or balance (layers per stage).")
         balance = even_balance(n, num_stages)
     else:
-        balance = list(balance)
+        balance = [
+            int(b) if isinstance(b, numbers.Integral) and not isinstance(b, bool) else b for b in balance
+        ]
         if n < 1:
             even_balance(n, 1)  # raises the empty-layers error
         if not balance or any((not isinstance(b, int)) or b < 1 for b in balance):

@@ -40,6 +40,8 @@ def spec_from(structure: Any) -> Any:
             return None
         dtype = getattr(t, "dtype", "float32")
         dtype = dtype.name if isinstance(dtype, tf.DType) else str(dtype)
-        return keras.KerasTensor(tuple(t.shape), dtype=dtype)
+        shape = tuple(t.shape)
+        # The batch size of the data that built the model is not part of the model.
+        return keras.KerasTensor((None,) + shape[1:] if shape else shape, dtype=dtype)
 
     return tf.nest.map_structure(one, structure)

@@ -1,0 +1,353 @@
+"""absl flags for the pipeline settings of a training script, turned into PipelineModel arguments.
+
+A script declares the flags at the top, parses them with ``app.run`` and hands
+them over::
+
+    from absl import app
+    import tf_gpipe.flags as pipeline_flags
+
+    pipeline_flags.define_pipeline_flags(defaults={"num_stages": 4, "virtual_cpus": 4})
+
+    def main(argv):
+        pipeline_flags.setup_devices(FLAGS)   # before the first TensorFlow op
+        model = tf_gpipe.PipelineModel(layers, **pipeline_flags.pipeline_kwargs(FLAGS))
+
+    app.run(main)
+
+The flags are checked when absl parses them, so a bad value stops the script
+before TensorFlow starts, with a message that names the flag.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+from absl import flags
+
+__all__ = [
+    "BALANCE_METHODS",
+    "FLAG_NAMES",
+    "define_pipeline_flags",
+    "pipeline_kwargs",
+    "setup_devices",
+]
+
+# Balancing by measured cost; the names are accepted now and passed on unchanged.
+BALANCE_METHODS = ("params", "time", "memory")
+_REMAT_MODES = ("always", "except_last", "never")  # tf_gpipe.pipeline.REMAT_MODES
+_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # tf_gpipe.schedules.SCHEDULES
+
+FLAG_NAMES = (
+    "num_stages",
+    "num_micro_batches",
+    "devices",
+    "remat",
+    "schedule",
+    "virtual_stages",
+    "balance",
+    "deferred_batch_norm",
+    "virtual_cpus",
+)
+
+Balance = Union[List[int], str, None]
+
+
+class _BalanceParser(flags.ArgumentParser):
+    """``"3,3,2,2"`` -> ``[3, 3, 2, 2]``; a method name stays a string; ``""`` -> None."""
+
+    syntactic_help = "a comma-separated list of positive integers (layers per stage), or one of " + ", ".join(
+        repr(m) for m in BALANCE_METHODS
+    )
+
+    def parse(self, argument: Any) -> Balance:
+        if argument is None:
+            return None
+        if not isinstance(argument, str):  # a default given as a Python value
+            if isinstance(argument, (list, tuple)):
+                return self._check([a for a in argument])
+            raise ValueError(f"expected {self.syntactic_help}, got {argument!r}")
+        text = argument.strip()
+        if not text:
+            return None
+        if text in BALANCE_METHODS:
+            return text
+        try:
+            values = [int(part) for part in text.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"expected {self.syntactic_help}, got {argument!r}; "
+                "for example --balance=3,3,2,2 or --balance=params"
+            ) from None
+        return self._check(values)
+
+    def _check(self, values: List[Any]) -> List[int]:
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"every entry must be a positive integer (layers per stage), got {values!r}")
+        return list(values)
+
+    def flag_type(self) -> str:
+        return "balance"
+
+
+class _BalanceSerializer(flags.ArgumentSerializer):
+    def serialize(self, value: Balance) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        return ",".join(str(v) for v in value)
+
+
+def _given(flag_values: flags.FlagValues, name: str) -> bool:
+    """Whether ``--name`` was set on the command line or in code, not left at its default."""
+    return not flag_values[name].using_default_value
+
+
+def _num_stages(values: Mapping[str, Any], flag_values: flags.FlagValues) -> Optional[int]:
+    """K as PipelineModel will see it from these flags, or None where it cannot tell yet."""
+    balance, devices, v = values["balance"], values["devices"], values["virtual_stages"] or 1
+    if isinstance(balance, list) and not _given(flag_values, "num_stages"):
+        return len(balance) // v if len(balance) % v == 0 else None
+    if devices and not _given(flag_values, "num_stages"):
+        return len(devices)
+    return values["num_stages"]
+
+
+def define_pipeline_flags(
+    flag_values: flags.FlagValues = flags.FLAGS, defaults: Optional[Mapping[str, Any]] = None
+) -> None:
+    """Define the flags that configure a ``tf_gpipe.PipelineModel`` (and the demo devices).
+
+    Flags: ``--num_stages``, ``--num_micro_batches``, ``--devices`` (comma list),
+    ``--remat``, ``--schedule``, ``--virtual_stages``, ``--balance`` (comma list of
+    layers per stage, or ``params``/``time``/``memory``), ``--deferred_batch_norm``
+    and ``--virtual_cpus`` (logical CPUs to make before TensorFlow starts; 0 = the
+    real devices). Without ``--num_stages``, a ``--balance`` list or ``--devices``
+    gives the number of stages, as in ``PipelineModel``.
+
+    Args:
+        flag_values: the ``absl.flags.FlagValues`` to define them in.
+        defaults: default values that replace the library's, by flag name, e.g.
+            ``{"num_stages": 4, "num_micro_batches": 8, "virtual_cpus": 4}``.
+            Lists may be given as Python lists.
+
+    Raises:
+        ValueError: for a name in ``defaults`` that is not one of these flags.
+        absl.flags.IllegalFlagValueError: at parse time, for a bad value; the
+            message names the flag.
+
+    Example:
+
+    ```python
+    from absl import flags
+    import tf_gpipe.flags as pipeline_flags
+
+    fv = flags.FlagValues()
+    pipeline_flags.define_pipeline_flags(fv, defaults={"num_stages": 4})
+    fv(["prog", "--num_micro_batches=8", "--balance=3,3,2,2"])
+    print(pipeline_flags.pipeline_kwargs(fv))
+    ```
+    """
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - set(FLAG_NAMES))
+    if unknown:
+        raise ValueError(
+            f"tf_gpipe.flags: unknown flag names in defaults: {unknown}; the pipeline flags are "
+            f"{list(FLAG_NAMES)}."
+        )
+    d = {
+        "num_stages": None,
+        "num_micro_batches": 1,
+        "devices": None,
+        "remat": "always",
+        "schedule": "gpipe",
+        "virtual_stages": 1,
+        "balance": None,
+        "deferred_batch_norm": True,
+        "virtual_cpus": 0,
+    }
+    d.update(defaults)
+    if isinstance(d["devices"], (list, tuple)):
+        d["devices"] = ",".join(d["devices"])
+    fv = flag_values
+
+    flags.DEFINE_integer(
+        "num_stages",
+        d["num_stages"],
+        "K: pipeline stages, the layers split evenly by count. Default: the length of --balance "
+        "(divided by --virtual_stages), else of --devices, else 1.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_micro_batches",
+        d["num_micro_batches"],
+        "M: micro-batches per mini-batch; the bubble (K-1)/(M+K-1) is small once M >= 4K.",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE_list(
+        "devices",
+        d["devices"],
+        "One device per stage, comma-separated, e.g. /GPU:0,/GPU:1 or "
+        "/job:worker/task:0/device:CPU:0,... Empty: visible GPUs, else logical CPUs, round-robin.",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "remat",
+        d["remat"],
+        list(_REMAT_MODES),
+        "Re-materialization: recompute each stage's activations in the backward pass "
+        "('always'), for all stages but the last ('except_last'), or keep them ('never').",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "schedule",
+        d["schedule"],
+        list(_SCHEDULES),
+        "Pipeline schedule: 'gpipe' (fill-drain), '1f1b' (at most K micro-batches in flight) "
+        "or 'interleaved' (1F1B over --virtual_stages chunks per device). The last two need a "
+        "loss with reduction 'sum_over_batch_size' or 'sum'.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "virtual_stages",
+        d["virtual_stages"],
+        "v: model chunks per device for --schedule=interleaved (K*v cells).",
+        lower_bound=1,
+        flag_values=fv,
+    )
+    flags.DEFINE(
+        _BalanceParser(),
+        "balance",
+        d["balance"],
+        "Layers per stage, e.g. 3,3,2,2 (K*v entries with --virtual_stages), or a balancing "
+        "method: " + ", ".join(BALANCE_METHODS) + ". Empty: an even split by layer count.",
+        flag_values=fv,
+        serializer=_BalanceSerializer(),
+    )
+    flags.DEFINE_boolean(
+        "deferred_batch_norm",
+        d["deferred_batch_norm"],
+        "BatchNormalization moves its running statistics once per mini-batch, from the whole "
+        "mini-batch's statistics (GPipe); --nodeferred_batch_norm: once per micro-batch.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "virtual_cpus",
+        d["virtual_cpus"],
+        "Split the host CPU into this many logical devices before TensorFlow starts, so that "
+        "stages sit on different devices of a CPU-only machine. 0: only the real devices.",
+        lower_bound=0,
+        flag_values=fv,
+    )
+
+    def check_virtual_stages(values: Dict[str, Any]) -> bool:
+        if values["virtual_stages"] and values["virtual_stages"] > 1 and values["schedule"] != "interleaved":
+            raise flags.ValidationError(
+                f"--virtual_stages={values['virtual_stages']} needs --schedule=interleaved "
+                f"(got --schedule={values['schedule']}); the other schedules run one stage per device."
+            )
+        return True
+
+    def check_stage_counts(values: Dict[str, Any]) -> bool:
+        balance, devices, v = values["balance"], values["devices"], values["virtual_stages"] or 1
+        k = values["num_stages"]
+        if isinstance(balance, list):
+            if len(balance) % v:
+                raise flags.ValidationError(
+                    f"--balance has {len(balance)} entries, not a multiple of --virtual_stages={v}; "
+                    "give one entry per cell (num_stages * virtual_stages)."
+                )
+            if _given(fv, "num_stages") and k is not None and len(balance) != k * v:
+                raise flags.ValidationError(
+                    f"--balance has {len(balance)} entries but --num_stages={k}"
+                    + (f" x --virtual_stages={v}" if v > 1 else "")
+                    + f" needs {k * v}; pass --num_stages={len(balance) // v} or leave it out."
+                )
+        if devices:
+            stages = _num_stages(values, fv)
+            if stages is not None and len(devices) != stages:
+                raise flags.ValidationError(
+                    f"--devices lists {len(devices)} devices for {stages} stages; give exactly one "
+                    "device per stage (or leave --devices empty for the default devices)."
+                )
+        if isinstance(balance, str) and not (k or devices):
+            raise flags.ValidationError(
+                f"--balance={balance} balances by measured cost and needs the number of stages: "
+                "pass --num_stages (or --devices)."
+            )
+        return True
+
+    def check_interleaved(values: Dict[str, Any]) -> bool:
+        if values["schedule"] != "interleaved":
+            return True
+        k, m = _num_stages(values, fv) or 1, values["num_micro_batches"]
+        if m is not None and m % k:
+            lower, upper = m - m % k, m - m % k + k
+            hint = f"{lower} or {upper}" if lower else f"{upper}"
+            raise flags.ValidationError(
+                f"--schedule=interleaved needs --num_micro_batches ({m}) to be a multiple of the "
+                f"number of stages ({k}): use --num_micro_batches={hint}, or --schedule=1f1b."
+            )
+        return True
+
+    names = ["schedule", "virtual_stages"]
+    flags.register_multi_flags_validator(names, check_virtual_stages, flag_values=fv)
+    names = ["num_stages", "balance", "devices", "virtual_stages"]
+    flags.register_multi_flags_validator(names, check_stage_counts, flag_values=fv)
+    names = ["schedule", "num_stages", "num_micro_batches", "balance", "devices", "virtual_stages"]
+    flags.register_multi_flags_validator(names, check_interleaved, flag_values=fv)
+
+
+def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> Dict[str, Any]:
+    """Keyword arguments for ``tf_gpipe.PipelineModel`` from parsed pipeline flags.
+
+    ``PipelineModel(layers, **pipeline_kwargs(FLAGS))``. An empty ``--devices``
+    or ``--balance`` becomes ``None`` (the defaults); a ``--balance`` method name
+    is passed on as the string. ``--num_stages`` is left out (``None``) when a
+    ``--balance`` list or ``--devices`` sets the number of stages and
+    ``--num_stages`` was not given.
+
+    Args:
+        flag_values: parsed ``FlagValues`` holding the flags of
+            :func:`define_pipeline_flags`.
+
+    Returns:
+        A dict with ``num_stages``, ``balance``, ``num_micro_batches``,
+        ``devices``, ``remat``, ``schedule``, ``virtual_stages`` and
+        ``deferred_batch_norm``.
+    """
+    fv = flag_values
+    balance = fv.balance
+    devices = list(fv.devices) if fv.devices else None
+    num_stages = fv.num_stages
+    if (isinstance(balance, list) or devices) and not _given(fv, "num_stages"):
+        num_stages = None  # the list sets K, as PipelineModel reads it
+    return {
+        "num_stages": num_stages,
+        "balance": list(balance) if isinstance(balance, list) else balance,
+        "num_micro_batches": fv.num_micro_batches,
+        "devices": devices,
+        "remat": fv.remat,
+        "schedule": fv.schedule,
+        "virtual_stages": fv.virtual_stages,
+        "deferred_batch_norm": fv.deferred_batch_norm,
+    }
+
+
+def setup_devices(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[List[str]]:
+    """Make the ``--virtual_cpus`` logical CPUs; call first thing in ``main``.
+
+    Must run before TensorFlow initializes its devices (before the first op).
+
+    Returns:
+        The logical CPU device names when ``--virtual_cpus > 0``, else None
+        (nothing changed).
+    """
+    n = flag_values.virtual_cpus
+    if not n:
+        return None
+    from tf_gpipe.devices import configure_virtual_cpus
+
+    return configure_virtual_cpus(n)
