@@ -181,7 +181,8 @@ class SerialWork(keras.layers.Layer):
 
             return y, grad
 
-        return run(x, keras.ops.convert_to_tensor(self.scale))
+        # A tensor, not the variable: custom_gradient would otherwise ask for `variables=` in eager mode.
+        return run(x, tf.identity(keras.ops.convert_to_tensor(self.scale)))
 
     def compute_output_shape(self, input_shape):
         return input_shape
