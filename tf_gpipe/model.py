@@ -459,26 +459,9 @@ class PipelineModel(keras.Model):
         return trainer.train_step(self, data)
 
     def get_config(self) -> dict:
-        if self._source_model is not None:
-            return {
-                "name": self.name,
-                "trainable": self.trainable,
-                "source_model": keras.saving.serialize_keras_object(self._source_model),
-                "node_balance": list(self._node_balance),
-                "num_stages": self.num_stages,
-                "num_micro_batches": self.num_micro_batches,
-                "devices": self._devices_arg,
-                "remat": self.remat,
-                "schedule": self.schedule,
-                "virtual_stages": self.virtual_stages,
-                "deferred_batch_norm": self.deferred_batch_norm,
-                "side_inputs": list(self.side_inputs),
-            }
-        return {
+        config = {
             "name": self.name,
             "trainable": self.trainable,
-            "layers": [keras.saving.serialize_keras_object(layer) for layer in self.stage_layers],
-            "balance": list(self.balance),
             "num_micro_batches": self.num_micro_batches,
             "devices": self._devices_arg,
             "remat": self.remat,
@@ -487,6 +470,14 @@ class PipelineModel(keras.Model):
             "deferred_batch_norm": self.deferred_batch_norm,
             "side_inputs": list(self.side_inputs),
         }
+        if self._source_model is not None:  # from_model: the graph and where it was cut
+            config["source_model"] = keras.saving.serialize_keras_object(self._source_model)
+            config["node_balance"] = list(self._node_balance)
+            config["num_stages"] = self.num_stages
+        else:
+            config["layers"] = [keras.saving.serialize_keras_object(layer) for layer in self.stage_layers]
+            config["balance"] = list(self.balance)
+        return config
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: Any = None) -> "PipelineModel":
