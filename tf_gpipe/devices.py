@@ -96,8 +96,8 @@ def resolve_devices(devices: Optional[Sequence[str]], num_stages: int) -> List[s
             raise ValueError(
                 f"tf_gpipe: unknown device {d!r}. Available devices: {available}. "
                 "On a CPU-only machine, call tf_gpipe.configure_virtual_cpus(n) first to get n "
-                "logical CPUs; for remote workers, connect with "
-                "tf.config.experimental_connect_to_cluster first."
+                "logical CPUs; for remote workers, connect first with "
+                "tf_gpipe.cluster.connect(...) (tf.config.experimental_connect_to_cluster)."
             )
         out.append(spec.to_string())
     return out
