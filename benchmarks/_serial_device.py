@@ -116,7 +116,10 @@ def _host(
 
     if mode == "stateless":
         out = tf.numpy_function(
-            lambda *v: np.asarray(work(*v)), inputs, Tout=x.dtype, stateful=False,
+            lambda *v: np.asarray(work(*v)),
+            inputs,
+            Tout=x.dtype,
+            stateful=False,
             name=f"serial_{kind}",
         )
     elif mode == "py_function":

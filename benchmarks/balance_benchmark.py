@@ -163,8 +163,11 @@ def main(argv):
         ideal_ms, ideal_bubble = predicted([total / K] * K, M)
         for method, bal in partitions.items():
             model = tf_gpipe.PipelineModel(
-                [keras.Input((WIDTH,))] + layers_for(bal), balance=bal, devices=devices[:K],
-                num_micro_batches=M, remat=FLAGS.remat,
+                [keras.Input((WIDTH,))] + layers_for(bal),
+                balance=bal,
+                devices=devices[:K],
+                num_micro_batches=M,
+                remat=FLAGS.remat,
             )
             model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
             for _ in range(1 + FLAGS.warmup):  # the first call traces
@@ -198,7 +201,11 @@ def main(argv):
         ["layer", "time units", "true f+b ms", "by_time ms", "by_params", "by_memory KiB"], profile_rows
     )
     rep = balance.report(
-        profile, partitions["time, minmax"], sample, time_costs=costs["time"], devices=devices[:K],
+        profile,
+        partitions["time, minmax"],
+        sample,
+        time_costs=costs["time"],
+        devices=devices[:K],
         num_micro_batches=M0,
     )
     print("\n" + table + "\n\n" + rep)

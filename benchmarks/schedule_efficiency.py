@@ -64,17 +64,20 @@ flags.DEFINE_float("backward_ms", 20.0, "b: cost of one backward action of one (
 flags.DEFINE_integer("warmup", 1, "Untimed calls after the first (tracing) one.")
 flags.DEFINE_integer("steps", 3, "Timed train_on_batch calls per configuration (median reported).")
 flags.DEFINE_bool(
-    "py_function_demo", True,
+    "py_function_demo",
+    True,
     "Also time one config (K=4, M=8, gpipe) with SerialWork(mode='py_function'), whose stateful "
     "host op tf.function serializes across devices.",
 )
 flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string(
-    "image", os.path.join(_common.REPO_ROOT, "docs", "images", "schedule_efficiency.png"),
+    "image",
+    os.path.join(_common.REPO_ROOT, "docs", "images", "schedule_efficiency.png"),
     "Also save the plot here (for benchmarks/SCHEDULES.md); empty: only --out.",
 )
 flags.DEFINE_string(
-    "from_json", None,
+    "from_json",
+    None,
     "Print the tables and redraw the plot (into --out) from a saved schedule_efficiency.json; run nothing.",
 )
 # child mode
@@ -146,9 +149,22 @@ def child() -> None:
         theory, bubble, n_crit = _theory(plan, f, b, remat)
         measured = statistics.median(times)
         result = dict(
-            K=K, M=M, schedule=name, v=v, remat=remat, mode=mode, measured_ms=measured,
-            times_ms=times, theory_ms=theory, efficiency=theory / measured, bubble=bubble,
-            n_crit=n_crit, trace_s=trace_s, f=f, b=b, loadavg=_common.loadavg(),
+            K=K,
+            M=M,
+            schedule=name,
+            v=v,
+            remat=remat,
+            mode=mode,
+            measured_ms=measured,
+            times_ms=times,
+            theory_ms=theory,
+            efficiency=theory / measured,
+            bubble=bubble,
+            n_crit=n_crit,
+            trace_s=trace_s,
+            f=f,
+            b=b,
+            loadavg=_common.loadavg(),
         )
         print("RESULT " + json.dumps(result), flush=True)
 
@@ -161,17 +177,37 @@ def _rows(results, remat):
         over = r["measured_ms"] - r["theory_ms"]
         best = min(r["times_ms"])
         sched = r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else "")
-        rows.append([
-            r["K"], r["M"], sched, f"{r['measured_ms']:.1f}", f"{r['theory_ms']:.1f}",
-            f"**{r['efficiency']:.3f}**" if r["efficiency"] < 0.9 else f"{r['efficiency']:.3f}",
-            f"{r['theory_ms'] / best:.3f}" if best > 0 else "n/a",
-            f"{r['bubble']:.3f}", f"{over:.1f}", r["n_crit"], f"{over / r['n_crit']:.2f}",
-        ])
+        rows.append(
+            [
+                r["K"],
+                r["M"],
+                sched,
+                f"{r['measured_ms']:.1f}",
+                f"{r['theory_ms']:.1f}",
+                f"**{r['efficiency']:.3f}**" if r["efficiency"] < 0.9 else f"{r['efficiency']:.3f}",
+                f"{r['theory_ms'] / best:.3f}" if best > 0 else "n/a",
+                f"{r['bubble']:.3f}",
+                f"{over:.1f}",
+                r["n_crit"],
+                f"{over / r['n_crit']:.2f}",
+            ]
+        )
     return rows
 
 
-HEADERS = ["K", "M", "schedule", "measured ms (median)", "theoretical ms", "efficiency",
-           "efficiency (best step)", "bubble", "overhead ms", "n_crit", "overhead / crit. action ms"]
+HEADERS = [
+    "K",
+    "M",
+    "schedule",
+    "measured ms (median)",
+    "theoretical ms",
+    "efficiency",
+    "efficiency (best step)",
+    "bubble",
+    "overhead ms",
+    "n_crit",
+    "overhead / crit. action ms",
+]
 
 
 def report(results, f: float, b: float, remats) -> None:
@@ -217,8 +253,12 @@ def parent() -> None:
         print(f"# from {FLAGS.from_json}: loadavg at start {saved['load_start']}, at end {saved['load_end']}")
         report(results, f, b, ["never", "always"])
         os.makedirs(FLAGS.out, exist_ok=True)
-        _plot([r for r in results if r["mode"] == "stateless"],
-              os.path.join(FLAGS.out, "schedule_efficiency.png"), f, b)
+        _plot(
+            [r for r in results if r["mode"] == "stateless"],
+            os.path.join(FLAGS.out, "schedule_efficiency.png"),
+            f,
+            b,
+        )
         return
     load_start = _common.loadavg()
     f, b = FLAGS.forward_ms, FLAGS.backward_ms
@@ -228,25 +268,41 @@ def parent() -> None:
     print("- children: inter_op_parallelism_threads=64, intra_op_parallelism_threads=2")
     print(f"- {_common.tf_gpipe_line()}")
     print(f"- loadavg at start: {load_start}")
-    ours = [f_.name for f_ in FLAGS.get_key_flags_for_module(sys.modules[__name__])
-            if f_.name not in ("child", "k", "from_json")]
+    ours = [
+        f_.name
+        for f_ in FLAGS.get_key_flags_for_module(sys.modules[__name__])
+        if f_.name not in ("child", "k", "from_json")
+    ]
     print("- flags: " + " ".join(f"--{k}={FLAGS[k].value}" for k in ours))
-    print(f"- per-action costs: forward f={f:g} ms, backward b={b:g} ms per stage (f/v, b/v per "
-          f"virtual stage); remat=always backward = f+b\n", flush=True)
+    print(
+        f"- per-action costs: forward f={f:g} ms, backward b={b:g} ms per stage (f/v, b/v per "
+        f"virtual stage); remat=always backward = f+b\n",
+        flush=True,
+    )
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _common.REPO_ROOT) if p)
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     results, loads = [], [load_start]
     t_all = time.perf_counter()
+
     def flag_arg(name):
         value = FLAGS[name].value
         return f"--{name}={','.join(value) if isinstance(value, list) else value}"
 
     passthrough = [
         flag_arg(name)
-        for name in ("micro_batches", "schedules", "remats", "virtual_stages", "forward_ms",
-                     "backward_ms", "warmup", "steps", "py_function_demo")
+        for name in (
+            "micro_batches",
+            "schedules",
+            "remats",
+            "virtual_stages",
+            "forward_ms",
+            "backward_ms",
+            "warmup",
+            "steps",
+            "py_function_demo",
+        )
     ]
     for K in map(int, FLAGS.stages):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", f"--k={K}"] + passthrough
@@ -254,7 +310,7 @@ def parent() -> None:
         for line in proc.stdout:
             if not line.startswith("RESULT "):
                 continue
-            r = json.loads(line[len("RESULT "):])
+            r = json.loads(line[len("RESULT ") :])
             results.append(r)
             loads.append(r["loadavg"])
             print(
@@ -275,9 +331,18 @@ def parent() -> None:
     os.makedirs(FLAGS.out, exist_ok=True)
     with open(os.path.join(FLAGS.out, "schedule_efficiency.json"), "w") as fh:
         json.dump(
-            dict(env=_common.env_lines(), tf_gpipe=_common.tf_gpipe_line(), load_start=load_start,
-                 load_end=load_end, loads=loads, forward_ms=f, backward_ms=b, results=results),
-            fh, indent=1,
+            dict(
+                env=_common.env_lines(),
+                tf_gpipe=_common.tf_gpipe_line(),
+                load_start=load_start,
+                load_end=load_end,
+                loads=loads,
+                forward_ms=f,
+                backward_ms=b,
+                results=results,
+            ),
+            fh,
+            indent=1,
         )
     _plot(ok, os.path.join(FLAGS.out, "schedule_efficiency.png"), f, b)
 
@@ -300,17 +365,28 @@ def _plot(results, path, f, b) -> None:
             for remat, style in styles.items():
                 pts = sorted(
                     (r["M"], r["efficiency"], r["measured_ms"], r["theory_ms"])
-                    for r in results if r["K"] == K and r["schedule"] == name and r["remat"] == remat
+                    for r in results
+                    if r["K"] == K and r["schedule"] == name and r["remat"] == remat
                 )
                 if not pts:
                     continue
                 Ms = [p[0] for p in pts]
                 label = f"{name} remat={remat}"
                 ax_e.plot(Ms, [p[1] for p in pts], style, marker="o", color=color, label=label)
-                best = sorted((r["M"], r["theory_ms"] / min(r["times_ms"])) for r in results
-                              if r["K"] == K and r["schedule"] == name and r["remat"] == remat)
-                ax_e.plot([p[0] for p in best], [p[1] for p in best], linestyle="none", marker="_",
-                          markersize=10, color=color, alpha=0.6)
+                best = sorted(
+                    (r["M"], r["theory_ms"] / min(r["times_ms"]))
+                    for r in results
+                    if r["K"] == K and r["schedule"] == name and r["remat"] == remat
+                )
+                ax_e.plot(
+                    [p[0] for p in best],
+                    [p[1] for p in best],
+                    linestyle="none",
+                    marker="_",
+                    markersize=10,
+                    color=color,
+                    alpha=0.6,
+                )
                 ax_t.plot(Ms, [p[2] for p in pts], style, marker="o", color=color, label=f"{label} measured")
                 ax_t.plot(Ms, [p[3] for p in pts], style, marker="x", color=color, alpha=0.4, lw=0.8)
         ax_e.axhline(0.9, color="gray", lw=0.8, ls=":")

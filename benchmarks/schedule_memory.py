@@ -83,18 +83,21 @@ flags.DEFINE_string("remat", "always", "remat mode.")
 flags.DEFINE_integer("steps", 3, "train_on_batch calls (the first traces and is not sampled).")
 flags.DEFINE_bool("record", True, "Record one more step with tf_gpipe.timeline and count stashes.")
 flags.DEFINE_integer(
-    "mmap_threshold", 256 * 1024,
+    "mmap_threshold",
+    256 * 1024,
     "MALLOC_MMAP_THRESHOLD_ for the children, bytes (0: leave glibc's dynamic default).",
 )
 flags.DEFINE_list("variants", ["stock", "no_arith_opt"], "Variants to run (see the docstring).")
 flags.DEFINE_list(
-    "grappler_off", [],
+    "grappler_off",
+    [],
     "Grappler optimizers to switch off in the children, e.g. arithmetic_optimization "
     "(tf.config.optimizer.set_experimental_options({name: False})).",
 )
 flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string(
-    "image", os.path.join(_common.REPO_ROOT, "docs", "images", "schedule_memory.png"),
+    "image",
+    os.path.join(_common.REPO_ROOT, "docs", "images", "schedule_memory.png"),
     "Also save the plot here (for benchmarks/SCHEDULES.md); empty: only --out.",
 )
 # child mode
@@ -148,7 +151,10 @@ def child() -> None:
         tf.config.optimizer.set_experimental_options({name: False for name in FLAGS.grappler_off})
     keras.utils.set_random_seed(0)
     model = tf_gpipe.PipelineModel(
-        make_layers(keras, K), num_stages=K, num_micro_batches=M, remat=FLAGS.remat,
+        make_layers(keras, K),
+        num_stages=K,
+        num_micro_batches=M,
+        remat=FLAGS.remat,
         schedule=FLAGS.schedule,
     )
     model.compile(
@@ -181,15 +187,23 @@ def child() -> None:
 
     plan = tf_gpipe.schedules.get(FLAGS.schedule, K, M)
     result = dict(
-        K=K, M=M, schedule=FLAGS.schedule, remat=FLAGS.remat, batch=n,
+        K=K,
+        M=M,
+        schedule=FLAGS.schedule,
+        remat=FLAGS.remat,
+        batch=n,
         grappler_off=list(FLAGS.grappler_off),
         rss_total_MiB=(ru_maxrss - rss_build) / MiB,
         tf_peak_MiB=(tf_peak - tf_base) / MiB,
-        rss_build_MiB=rss_build / MiB, rss_before_MiB=rss_before / MiB, tf_base_MiB=tf_base / MiB,
+        rss_build_MiB=rss_build / MiB,
+        rss_before_MiB=rss_before / MiB,
+        tf_base_MiB=tf_base / MiB,
         weights_MiB=weights_mib,
         peak_in_flight=plan.peak_in_flight(),
         stash_model_MiB=stash_model_mib(plan.peak_in_flight(), K),
-        first_step_s=first_s, step_s=min(step_times), losses=losses,
+        first_step_s=first_s,
+        step_s=min(step_times),
+        losses=losses,
     )
     if FLAGS.record:
         with tf_gpipe.timeline.record(model) as rec:
@@ -211,8 +225,11 @@ def parent() -> None:
         print(f"- {line}")
     print(f"- {_common.tf_gpipe_line()}")
     print(f"- loadavg at start: {load_start}")
-    ours = [f.name for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])
-            if f.name not in ("child", "m", "schedule", "grappler_off")]
+    ours = [
+        f.name
+        for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])
+        if f.name not in ("child", "m", "schedule", "grappler_off")
+    ]
     print("- flags: " + " ".join(f"--{k}={FLAGS[k].value}" for k in ours))
     stash = FLAGS.micro_batch * FLAGS.width * 4 / MiB
     print(
@@ -234,10 +251,18 @@ def parent() -> None:
         for M in map(int, FLAGS.micro_batches):
             for name in FLAGS.schedules:
                 cmd = [
-                    sys.executable, os.path.abspath(__file__), "--child", f"--m={M}", f"--schedule={name}",
-                    f"--stages={K}", f"--micro_batch={FLAGS.micro_batch}", f"--width={FLAGS.width}",
-                    f"--bottleneck={FLAGS.bottleneck}", f"--input_dim={FLAGS.input_dim}",
-                    f"--remat={FLAGS.remat}", f"--steps={FLAGS.steps}",
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--child",
+                    f"--m={M}",
+                    f"--schedule={name}",
+                    f"--stages={K}",
+                    f"--micro_batch={FLAGS.micro_batch}",
+                    f"--width={FLAGS.width}",
+                    f"--bottleneck={FLAGS.bottleneck}",
+                    f"--input_dim={FLAGS.input_dim}",
+                    f"--remat={FLAGS.remat}",
+                    f"--steps={FLAGS.steps}",
                     f"--record={FLAGS.record and variant == 'stock'}",
                     f"--grappler_off={','.join(off)}",
                 ]
@@ -249,7 +274,7 @@ def parent() -> None:
                     print(f"M={M} {name} {variant}: child failed (rc={proc.returncode})")
                     print(proc.stderr[-3000:])
                     continue
-                r = json.loads(line[len("RESULT "):])
+                r = json.loads(line[len("RESULT ") :])
                 r["variant"] = variant
                 r["wall_s"] = time.perf_counter() - t0
                 results.append(r)
@@ -260,20 +285,37 @@ def parent() -> None:
                     flush=True,
                 )
 
-    headers = ["M", "batch", "schedule", "RSS peak - after build MiB", "TF alloc peak MiB",
-               "stash model MiB", "TF alloc - stash model MiB", "live_stashes per device (timeline)",
-               "peak_in_flight per device", "step s"]
+    headers = [
+        "M",
+        "batch",
+        "schedule",
+        "RSS peak - after build MiB",
+        "TF alloc peak MiB",
+        "stash model MiB",
+        "TF alloc - stash model MiB",
+        "live_stashes per device (timeline)",
+        "peak_in_flight per device",
+        "step s",
+    ]
     for variant in FLAGS.variants:
         rows = []
         for r in results:
             if r["variant"] != variant:
                 continue
-            rows.append([
-                r["M"], r["batch"], r["schedule"], f"{r['rss_total_MiB']:.0f}", f"{r['tf_peak_MiB']:.0f}",
-                f"{r['stash_model_MiB']:.0f}", f"{r['tf_peak_MiB'] - r['stash_model_MiB']:.0f}",
-                " ".join(map(str, r.get("live_stashes", []))) or "-",
-                " ".join(map(str, r["peak_in_flight"])), f"{r['step_s']:.2f}",
-            ])
+            rows.append(
+                [
+                    r["M"],
+                    r["batch"],
+                    r["schedule"],
+                    f"{r['rss_total_MiB']:.0f}",
+                    f"{r['tf_peak_MiB']:.0f}",
+                    f"{r['stash_model_MiB']:.0f}",
+                    f"{r['tf_peak_MiB'] - r['stash_model_MiB']:.0f}",
+                    " ".join(map(str, r.get("live_stashes", []))) or "-",
+                    " ".join(map(str, r["peak_in_flight"])),
+                    f"{r['step_s']:.2f}",
+                ]
+            )
         if rows:
             print(f"\n## variant {variant} (Grappler options off: {VARIANTS[variant] or 'none'})\n")
             print(_common.md_table(headers, rows))
@@ -281,9 +323,19 @@ def parent() -> None:
     print(f"\n- loadavg at end: {load_end}; total wall {time.perf_counter() - t_all:.0f} s")
     os.makedirs(FLAGS.out, exist_ok=True)
     with open(os.path.join(FLAGS.out, "schedule_memory.json"), "w") as fh:
-        json.dump(dict(env=_common.env_lines(), tf_gpipe=_common.tf_gpipe_line(), load_start=load_start,
-                       load_end=load_end, loads=loads, flags={k: FLAGS[k].value for k in ours},
-                       results=results), fh, indent=1)
+        json.dump(
+            dict(
+                env=_common.env_lines(),
+                tf_gpipe=_common.tf_gpipe_line(),
+                load_start=load_start,
+                load_end=load_end,
+                loads=loads,
+                flags={k: FLAGS[k].value for k in ours},
+                results=results,
+            ),
+            fh,
+            indent=1,
+        )
     _plot(results, os.path.join(FLAGS.out, "schedule_memory.png"))
 
 
@@ -303,15 +355,28 @@ def _plot(results, path) -> None:
     for ax, (key, title) in zip(axes, panels):
         for name, color in colors.items():
             for variant, style in styles.items():
-                pts = sorted((r["M"], r[key]) for r in results
-                             if r["schedule"] == name and r["variant"] == variant)
+                pts = sorted(
+                    (r["M"], r[key]) for r in results if r["schedule"] == name and r["variant"] == variant
+                )
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=color,
-                            label=f"{name}, {variant}")
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        style,
+                        marker="o",
+                        color=color,
+                        label=f"{name}, {variant}",
+                    )
             model = sorted({(r["M"], r["stash_model_MiB"]) for r in results if r["schedule"] == name})
             if model and key == "tf_peak_MiB":
-                ax.plot([p[0] for p in model], [p[1] for p in model], ":", color=color, lw=2,
-                        label=f"{name}, stash model")
+                ax.plot(
+                    [p[0] for p in model],
+                    [p[1] for p in model],
+                    ":",
+                    color=color,
+                    lw=2,
+                    label=f"{name}, stash model",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (micro-batches of a fixed size; batch = M x micro_batch)")
         ax.set_ylabel("MiB")

@@ -60,13 +60,18 @@ flags.DEFINE_float("backward_ms", 40.0, "SerialWork backward cost per stage acti
 flags.DEFINE_integer("width", 2048, "Dense width for the real-compute version.")
 flags.DEFINE_integer("micro_batch", 64, "Examples per micro-batch for the real-compute version.")
 flags.DEFINE_integer(
-    "steps", 5, "Recorded train_on_batch calls; of those after the first (tracing) one, the one "
+    "steps",
+    5,
+    "Recorded train_on_batch calls; of those after the first (tracing) one, the one "
     "with the median recorded makespan is drawn (a single step can catch a stall on a busy machine).",
 )
 flags.DEFINE_bool("dense", True, "Also record the real-compute (Dense) version.")
-flags.DEFINE_bool("per_device_markers", False, "Work around the serializing timeline markers (see docstring).")
 flags.DEFINE_bool(
-    "stock_demo", True,
+    "per_device_markers", False, "Work around the serializing timeline markers (see docstring)."
+)
+flags.DEFINE_bool(
+    "stock_demo",
+    True,
     "Also save the stock-marker GPipe recording (docs/images/timeline_gpipe_stock_markers.png).",
 )
 flags.DEFINE_string("images", os.path.join(_common.REPO_ROOT, "docs", "images"), "Directory for the PNGs.")
@@ -89,7 +94,9 @@ def per_device_markers():
                 resources[device] = tf.Variable(0.0, trainable=False, name=f"timeline_device{device}")
         with tf.control_dependencies(deps):
             return tf.py_function(
-                lambda *_: self._log(label, device), [resources[device].handle], Tout=tf.float64,
+                lambda *_: self._log(label, device),
+                [resources[device].handle],
+                Tout=tf.float64,
                 name="timeline_marker",
             )
 
@@ -208,10 +215,18 @@ def main(argv):
         trace = os.path.join(FLAGS.out, f"timeline_{tag}.json")
         timeline.save_chrome_trace(spans, trace, device_names=[f"CPU:{d}" for d in range(K)])
         row = dict(
-            name=tag, schedule=sched, kind=kind, per_device_markers=fixed, recorded_ms=makespan * 1e3,
-            simulated_ms=theory, step_ms=[t * 1e3 for t in times], live_stashes=stashes,
-            peak_in_flight=plan.peak_in_flight(), png=os.path.relpath(png, _common.REPO_ROOT),
-            trace=os.path.relpath(trace, _common.REPO_ROOT), spans=len(spans),
+            name=tag,
+            schedule=sched,
+            kind=kind,
+            per_device_markers=fixed,
+            recorded_ms=makespan * 1e3,
+            simulated_ms=theory,
+            step_ms=[t * 1e3 for t in times],
+            live_stashes=stashes,
+            peak_in_flight=plan.peak_in_flight(),
+            png=os.path.relpath(png, _common.REPO_ROOT),
+            trace=os.path.relpath(trace, _common.REPO_ROOT),
+            spans=len(spans),
         )
         summary.append(row)
         print(
@@ -230,11 +245,24 @@ def main(argv):
         for name in FLAGS.schedules:
             one("dense", name)
     if FLAGS.stock_demo and FLAGS.per_device_markers and "gpipe" in FLAGS.schedules:
-        one("serial", "gpipe", fixed=False,
-            png=os.path.join(FLAGS.images, "timeline_gpipe_stock_markers.png"), tag="gpipe_stock_markers")
+        one(
+            "serial",
+            "gpipe",
+            fixed=False,
+            png=os.path.join(FLAGS.images, "timeline_gpipe_stock_markers.png"),
+            tag="gpipe_stock_markers",
+        )
     with open(os.path.join(FLAGS.out, "timeline_demo.json"), "w") as fh:
-        json.dump(dict(env=_common.env_lines(), tf_gpipe=_common.tf_gpipe_line(), loadavg=_common.loadavg(),
-                       results=summary), fh, indent=1)
+        json.dump(
+            dict(
+                env=_common.env_lines(),
+                tf_gpipe=_common.tf_gpipe_line(),
+                loadavg=_common.loadavg(),
+                results=summary,
+            ),
+            fh,
+            indent=1,
+        )
     print(f"\n- loadavg at end: {_common.loadavg()}")
 
 
