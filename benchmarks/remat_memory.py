@@ -409,8 +409,10 @@ def parent() -> None:
             runs.append(run)
             label = "plain Keras" if K == 0 else f"K={K} M={M} remat={remat}"
             print(
-                f"{label:28s} tf_peak={run['tf_peak_MiB']:8.1f} MiB  rss_peak={run['rss_peak_MiB']:8.1f} MiB  "
-                f"1st step={run['first_step_s']:.2f}s  step={run['step_s']:.2f}s  wall={run['wall_s']:.0f}s  loss={run['losses'][0]:.5f}",
+                f"{label:28s} tf_peak={run['tf_peak_MiB']:8.1f} MiB  "
+                f"rss_peak={run['rss_peak_MiB']:8.1f} MiB  "
+                f"1st step={run['first_step_s']:.2f}s  step={run['step_s']:.2f}s  "
+                f"wall={run['wall_s']:.0f}s  loss={run['losses'][0]:.5f}",
                 flush=True,
             )
         r = dict(runs[0])
