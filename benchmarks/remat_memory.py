@@ -231,8 +231,10 @@ def report(results, meta, out_dir, load_end, wall_s=None) -> None:
                 r["remat"],
                 f"{r['tf_peak_MiB']:.0f}" + rng(r, "tf_peak_MiB"),
                 f"{r['rss_peak_MiB']:.0f}" + rng(r, "rss_peak_MiB"),
-                f"{r['tf_peak_MiB'] / ref['tf_peak_MiB']:.3f}" if ref else "n/a",
-                f"{r['rss_peak_MiB'] / ref['rss_peak_MiB']:.3f}" if ref else "n/a",
+                f"{r['tf_peak_MiB'] / ref['tf_peak_MiB']:.3f}" if ref and ref["tf_peak_MiB"] > 0 else "n/a",
+                f"{r['rss_peak_MiB'] / ref['rss_peak_MiB']:.3f}"
+                if ref and ref["rss_peak_MiB"] > 0
+                else "n/a",
                 f"{per_dev:.3f}",
                 f"{total:.3f}",
                 model_mib(r),
