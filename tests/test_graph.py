@@ -150,3 +150,24 @@ def test_not_a_functional_model():
 
     with pytest.raises(TypeError, match="functional"):
         tf_gpipe.PipelineModel.from_model(Sub(), num_stages=1)
+
+
+def test_from_model_balances_by_every_method():
+    """A heavy head: every cost estimate isolates it; the result still equals the model."""
+    keras.utils.set_random_seed(2)
+    inp = keras.Input((16,))
+    h = inp
+    for _ in range(5):
+        h = keras.layers.Add()([h, keras.layers.Dense(16)(h)])
+    out = keras.layers.Dense(1024)(keras.layers.Dense(1024)(h))  # most params, bytes and time
+    model = keras.Model(inp, out)
+    ref = _clone(model)
+    x = np.random.RandomState(0).rand(6, 16).astype("float32")
+    n = len(graph_nodes(model))
+    for method in ("params", "memory", "time"):
+        pm = tf_gpipe.PipelineModel.from_model(model, num_stages=2, balance=method, num_micro_batches=2)
+        # An even split by node count would be [6, 6]: the cut moves toward the head.
+        assert sum(pm._node_balance) == n and pm._node_balance[1] <= n // 2 - 2, (method, pm._node_balance)
+        assert_all_close([ref(x)], [pm(x)])
+    with pytest.raises(ValueError, match="'flops'"):
+        tf_gpipe.PipelineModel.from_model(model, num_stages=2, balance="flops")

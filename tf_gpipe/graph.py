@@ -138,3 +138,78 @@ def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage")
             )
         )
     return stages
+
+
+def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: int = 5) -> List[float]:
+    """A cost per node of ``graph_nodes(model)`` for balancing ``from_model`` stages.
+
+    ``"params"``: parameter count (a layer used twice counts once). ``"memory"``:
+    parameter bytes with two optimizer slots, plus the bytes of the node's outputs
+    for ``batch_size`` examples. ``"time"``: the node's forward and backward on a
+    zero batch of ``batch_size``, median of ``repeats`` calls (BatchNorm statistics
+    and dropout seeds are put back after).
+    """
+    import statistics
+    import time
+
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_gpipe.balance import _sandbox
+
+    nodes = graph_nodes(model)
+    seen: set = set()
+    params = []
+    for node in nodes:
+        op = node.operation
+        params.append(0 if id(op) in seen else op.count_params())
+        seen.add(id(op))
+    if method == "params":
+        return [1.0 + p for p in params]
+    if method == "memory":
+        costs = []
+        for node, p in zip(nodes, params):
+            out = 0
+            for t in node.outputs:
+                shape = [batch_size if d is None else d for d in t.shape]
+                out += int(np.prod(shape)) * np.dtype(t.dtype).itemsize
+            costs.append(float(3 * 4 * p + out))
+        return costs
+    if method != "time":
+        raise ValueError(
+            f"tf_gpipe: from_model balances by 'params', 'memory', 'time' or a list, got {method!r}."
+        )
+    values = {}
+    for x in model.inputs:
+        shape = [batch_size if d is None else d for d in x.shape]
+        values[id(x)] = tf.zeros(shape, dtype=x.dtype)
+    steps = []
+    ops = [n.operation for n in nodes if isinstance(n.operation, keras.layers.Layer)]
+    with _sandbox(ops):
+        for node in nodes:
+            args, kwargs = node.arguments.fill_in(values)
+            call = operation_fn(node.operation, training=True)
+            outputs = call(*args, **kwargs)
+            for x, y in zip(node.outputs, tree.flatten(outputs)):
+                values[id(x)] = y
+
+            def step(args=args, kwargs=kwargs, call=call, op=node.operation):
+                flat = [t for t in tree.flatten((args, kwargs)) if tf.is_tensor(t) and t.dtype.is_floating]
+                with tf.GradientTape() as tape:
+                    tape.watch(flat)
+                    outs = [t for t in tree.flatten(call(*args, **kwargs)) if t.dtype.is_floating]
+                    loss = tf.add_n(
+                        [tf.reduce_sum(tf.cast(t, tf.float32)) for t in outs] or [tf.constant(0.0)]
+                    )
+                grads = tape.gradient(loss, flat + list(getattr(op, "trainable_variables", [])))
+                return tf.add_n(
+                    [loss] + [tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None]
+                )
+
+            steps.append((tf.function(step, autograph=False), []))
+        for _ in range(2 + repeats):  # the first call traces, the second warms up
+            for fn, times in steps:  # in turns: a burst of load hits every node alike
+                start = time.perf_counter()
+                fn().numpy()
+                times.append(time.perf_counter() - start)
+    return [float(statistics.median(times[2:])) for _, times in steps]

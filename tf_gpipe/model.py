@@ -272,8 +272,9 @@ class PipelineModel(keras.Model):
         Args:
             model: a functional ``keras.Model`` (or ``keras.Sequential``), built.
             num_stages: K.
-            balance: nodes per stage, a list; or ``"params"`` to balance parameter
-                counts with an optimal min-max cut; default an even split by node count.
+            balance: nodes per stage, a list; or ``"params"``, ``"time"`` or ``"memory"``
+                to cut where the largest stage's cost (``graph.node_costs``) is smallest;
+                default an even split by node count.
             virtual_stages: as in ``PipelineModel``.
             **kwargs: the other ``PipelineModel`` arguments.
 
@@ -295,20 +296,10 @@ class PipelineModel(keras.Model):
         if balance is None:
             node_balance = split_by_balance(nodes, cells, None)
             node_balance = [len(g) for g in node_balance]
-        elif isinstance(balance, str):
-            if balance != "params":
-                raise ValueError(
-                    f"tf_gpipe: from_model balances by 'params' or an explicit list, got {balance!r}."
-                )
+        elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
             from tf_gpipe.balance import solve_minmax
 
-            seen: set = set()
-            costs = []
-            for node in nodes:  # a layer used twice counts once
-                op = node.operation
-                costs.append(1.0 + (0 if id(op) in seen else op.count_params()))
-                seen.add(id(op))
-            node_balance = solve_minmax(costs, cells)
+            node_balance = solve_minmax(graph.node_costs(model, balance), cells)
         else:
             node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
         stages = graph.split_graph(model, node_balance, name=f"{model.name}_stage")
