@@ -242,9 +242,12 @@ def test_dead_worker_clear_error_then_resume_matches_uninterrupted_run(workers, 
 
     # Restart the worker and the script: it resumes after epoch 2 and ends where a run
     # that was never interrupted ends (same cluster, same data, fresh checkpoint dir).
+    # In the documented order: the worker first, then the script. (Started the other way
+    # round, the client could connect while the worker was still coming up and fail with
+    # UnavailableError in training: seen once in CI.)
+    workers.restart(1)
     run2 = Client(workers, *TRAIN, f"--ckpt={ckpt}", "--epochs=4",
                   f"--reference_ckpt={tmp_path / 'reference'}")
-    workers.restart(1)
     assert run2.wait(180) == 0, run2.output[-4000:]
     s = run2.summary("train")
     assert s["restored_epoch"] == 2
