@@ -8,6 +8,8 @@ import keras
 from keras.src import tree
 from keras.src.models.functional import operation_fn
 
+from tf_gpipe.partition import check_tied_layers
+
 __all__ = ["GraphStage", "graph_nodes", "split_graph"]
 
 
@@ -87,21 +89,11 @@ def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage")
             f"tf_gpipe: balance={list(balance)} sums to {sum(balance)} but the model has "
             f"{len(nodes)} nodes to split."
         )
-    stage_of = {}
     groups, start = [], 0
-    for k, size in enumerate(balance):
+    for size in balance:
         groups.append(nodes[start : start + size])
-        for node in groups[-1]:
-            stage_of.setdefault(id(node.operation), set()).add(k)
         start += size
-    for node in nodes:
-        stages = sorted(stage_of[id(node.operation)])
-        if len(stages) > 1:
-            raise ValueError(
-                f"tf_gpipe: layer {node.operation.name!r} is used in stages {stages}. A shared "
-                "(tied) layer keeps its variables on one device, so all its uses must fall in "
-                "one stage: choose a balance whose cuts keep them together (or untie the weights)."
-            )
+    check_tied_layers([[node.operation for node in group] for group in groups])
     # Which tensor each cut must carry: produced before it, used at or after it.
     produced_before: List[set] = []
     seen = {id(x) for x in model.inputs}

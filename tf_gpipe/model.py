@@ -12,7 +12,7 @@ from keras.src import tree
 from tf_gpipe import microbatch, schedules, structure, trainer
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
-from tf_gpipe.partition import split_by_balance
+from tf_gpipe.partition import check_tied_layers, split_by_balance
 from tf_gpipe.pipeline import REMAT_MODES, Pipeline
 
 __all__ = ["PipelineModel"]
@@ -65,21 +65,6 @@ def _balance_by_cost(method: str, layers: list, spec: Any, num_stages: Optional[
             f"tf_gpipe.balance.balance_by({method!r}, layers, num_stages, sample) and pass the list."
         )
     return balance_lib.balance_by(method, layers, num_stages * v, spec)
-
-
-def _check_tied_layers(groups: List[List[keras.layers.Layer]]) -> None:
-    """A layer object used in two stages would have one set of variables on one device."""
-    where: dict = {}
-    for s, group in enumerate(groups):
-        for layer in group:
-            where.setdefault(id(layer), (layer, set()))[1].add(s)
-    for layer, stages in where.values():
-        if len(stages) > 1:
-            raise ValueError(
-                f"tf_gpipe: layer {layer.name!r} appears in stages {sorted(stages)}. A shared "
-                "(tied) layer keeps its variables on one device, so all its uses must be in one "
-                "stage: pass a balance that keeps them together (or untie the weights)."
-            )
 
 
 @keras.saving.register_keras_serializable(package="tf_gpipe")
@@ -212,7 +197,7 @@ class PipelineModel(keras.Model):
                 num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
             groups = split_by_balance(layer_list, num_stages * virtual_stages, None)
         num_stages = len(groups) // virtual_stages
-        _check_tied_layers(groups)
+        check_tied_layers(groups)
         # Validates the name, virtual_stages and M against the schedule before anything is built.
         schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
         self._devices_arg = (

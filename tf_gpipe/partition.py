@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numbers
-from typing import List, Optional, Sequence, TypeVar
+from typing import Any, List, Optional, Sequence, TypeVar
 
-__all__ = ["even_balance", "split_by_balance"]
+__all__ = ["check_tied_layers", "even_balance", "split_by_balance"]
 
 T = TypeVar("T")
 
@@ -65,3 +65,18 @@ def split_by_balance(
         groups.append(list(items[start : start + size]))
         start += size
     return groups
+
+
+def check_tied_layers(groups: Sequence[Sequence[Any]]) -> None:
+    """Refuse a layer object used in two stages: its variables can live on one device only."""
+    where: dict = {}
+    for s, group in enumerate(groups):
+        for layer in group:
+            where.setdefault(id(layer), (layer, set()))[1].add(s)
+    for layer, stages in where.values():
+        if len(stages) > 1:
+            raise ValueError(
+                f"tf_gpipe: layer {layer.name!r} is used in stages {sorted(stages)}. A shared "
+                "(tied) layer keeps its variables on one device, so all its uses must fall in "
+                "one stage: choose a balance whose cuts keep them together (or untie the weights)."
+            )
