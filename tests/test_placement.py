@@ -218,7 +218,7 @@ _FIT_SCRIPT = textwrap.dedent(
     y = rng.randn(16, 3).astype("float32")
     result = {}
     for tag, jit, devices, remat in [
-        ("auto", "auto", None, "always"),
+        ("auto", "auto", ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"], "always"),
         ("jit", True, ["/device:CPU:2", "/device:CPU:0", "/device:CPU:3"], "except_last"),
     ]:
         sys.stderr.write("@@BEGIN " + tag + "@@\\n"); sys.stderr.flush()

@@ -2,7 +2,7 @@
 
 from tf_gpipe import schedules, timeline
 from tf_gpipe.checkpoint import is_recomputing
-from tf_gpipe.devices import configure_virtual_cpus
+from tf_gpipe.devices import configure_virtual_cpus, exact_float32
 from tf_gpipe.model import PipelineModel
 from tf_gpipe.schedules import bubble_fraction
 
@@ -12,6 +12,7 @@ __all__ = [
     "PipelineModel",
     "bubble_fraction",
     "configure_virtual_cpus",
+    "exact_float32",
     "is_recomputing",
     "schedules",
     "timeline",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import contextlib
+import warnings
+from typing import Iterator, List, Optional, Sequence
 
 import tensorflow as tf
 
-__all__ = ["configure_virtual_cpus", "default_devices", "resolve_devices"]
+__all__ = ["configure_virtual_cpus", "default_devices", "exact_float32", "resolve_devices"]
 
 
 def configure_virtual_cpus(n: int) -> List[str]:
@@ -37,11 +39,42 @@ def _available() -> List[str]:
 
 
 def default_devices(num_stages: int) -> List[str]:
-    """Visible GPUs, else logical CPUs, else CPU:0; assigned to stages round-robin."""
+    """Visible GPUs, else logical CPUs, else CPU:0; assigned to stages round-robin.
+
+    With fewer GPUs than stages, stage ``k`` goes to GPU ``k % num_gpus``: stages
+    that share a GPU run one after another there (re-materialization still saves
+    memory, pipelining saves no time), and a warning says so. Logical CPUs are
+    never mixed in: a CPU stage would be far slower than its GPU neighbours.
+    """
     pool = [d.name for d in tf.config.list_logical_devices("GPU")]
+    if pool and len(pool) < num_stages:
+        warnings.warn(
+            f"tf_gpipe: {num_stages} stages on {len(pool)} GPU(s): stage k runs on GPU k % "
+            f"{len(pool)}, so stages share a GPU and run one after another there. Pass "
+            "devices=[...] to choose, or split a GPU into logical GPUs with "
+            "tf.config.set_logical_device_configuration before TensorFlow starts.",
+            stacklevel=3,
+        )
     if not pool:
         pool = [d.name for d in tf.config.list_logical_devices("CPU")] or ["/device:CPU:0"]
     return [pool[k % len(pool)] for k in range(num_stages)]
+
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """Run float32 matmuls and convolutions in full float32 inside the block.
+
+    Recent NVIDIA GPUs use TF32 (10-bit mantissa) for float32 matmuls by default,
+    and pick kernels by shape: a micro-batched and an unsplit model then differ by
+    ~1e-3 relative although they compute the same function. Comparisons between
+    the two belong in this block; elsewhere TF32 is TensorFlow's (fast) default.
+    """
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        yield
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(was)
 
 
 def _canonical(name: str) -> tf.DeviceSpec:
