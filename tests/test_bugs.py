@@ -1,4 +1,5 @@
-"""Regression tests: each names the version that had the bug and what it did."""
+"""Regression tests: each says what users saw, then the commit that fixed it
+(``fixed in <short hash> (<commit subject>)``; ``git show <hash>`` has the change)."""
 
 import keras
 import numpy as np
@@ -16,8 +17,12 @@ class _Pair(keras.layers.Layer):
 
 
 def test_to_sequential_with_tuple_and_dict_inputs():
-    """0.1.0 (pre-release): to_sequential() built the copy symbolically, which raised for
-    Concatenate on a tuple and left a dict-taking custom layer unbuilt."""
+    """to_sequential() built the copy symbolically, which raised for Concatenate on a tuple
+    and left a dict-taking custom layer unbuilt.
+
+    Fixed in 081f5d4 (Deferred BatchNorm statistics (GPipe semantics), layer-loss weighting,
+    to_sequential for nested inputs, stale-loss fix; example script, README, regression tests).
+    """
     rng = np.random.RandomState(0)
     a, b = rng.randn(6, 3).astype("float32"), rng.randn(6, 2).astype("float32")
     pm = tf_gpipe.PipelineModel(
@@ -35,8 +40,12 @@ def test_to_sequential_with_tuple_and_dict_inputs():
 
 
 def test_fit_after_evaluate_with_layer_losses():
-    """0.1.0 (pre-release): losses added by layers during evaluate()/predict() stayed on the
-    model, and the next fit() failed with 'tensor ... is out of scope'."""
+    """Losses added by layers during evaluate()/predict() stayed on the model, and the next
+    fit() failed with 'tensor ... is out of scope'.
+
+    Fixed in 081f5d4 (Deferred BatchNorm statistics (GPipe semantics), layer-loss weighting,
+    to_sequential for nested inputs, stale-loss fix; example script, README, regression tests).
+    """
     keras.utils.set_random_seed(0)
     layers = [keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.1)), keras.layers.Dense(3)]
     pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=3)
@@ -69,8 +78,12 @@ print("PEAK", tf.config.experimental.get_memory_info("CPU:0")["peak"] - base)
 
 
 def test_weight_gradients_are_summed_as_they_arrive():
-    """0.1.0 (pre-release): Grappler folded the per-micro-batch gradient sums into one AddN,
-    so a step held M copies of the weight gradients (8 MiB of weights: +7 x 8 MiB at M=8)."""
+    """Grappler folded the per-micro-batch gradient sums into one AddN, so a step held M
+    copies of the weight gradients (8 MiB of weights: +7 x 8 MiB at M=8).
+
+    Fixed in e79170a (Sum weight gradients as each micro-batch's arrive (Grappler's AddN
+    held M copies); regression test).
+    """
     import os
     import subprocess
     import sys
@@ -93,8 +106,13 @@ def test_weight_gradients_are_summed_as_they_arrive():
 
 
 def test_exported_sequential_keeps_input_dtype_and_free_batch():
-    """0.1.0 (pre-release): to_sequential() recorded float32 inputs with the batch size of
-    the data that built the model."""
+    """to_sequential() recorded float32 inputs with the batch size of the data that built
+    the model.
+
+    Fixed in e75939c (Balance by params/time/memory (tf_gpipe.balance, wired into
+    PipelineModel); flags module, Transformer LM and image examples, docs; to_sequential
+    keeps input dtype; tensorboard pinned).
+    """
     pm = tf_gpipe.PipelineModel(
         [keras.layers.Embedding(50, 8), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)],
         num_stages=2,
@@ -108,8 +126,13 @@ def test_exported_sequential_keeps_input_dtype_and_free_batch():
 
 
 def test_balance_by_method_and_numpy_balance():
-    """0.1.0 (pre-release): balance='time' was split into characters, and a numpy balance
-    was refused as 'not positive integers'."""
+    """balance='time' was split into characters, and a numpy balance was refused as 'not
+    positive integers'.
+
+    Fixed in e75939c (Balance by params/time/memory (tf_gpipe.balance, wired into
+    PipelineModel); flags module, Transformer LM and image examples, docs; to_sequential
+    keeps input dtype; tensorboard pinned).
+    """
     keras.utils.set_random_seed(0)
     layers = [keras.Input((16,))] + [keras.layers.Dense(16) for _ in range(5)] + [keras.layers.Dense(2048)]
     pm = tf_gpipe.PipelineModel(layers, num_stages=2, balance="params")

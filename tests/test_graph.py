@@ -133,6 +133,60 @@ def test_shared_layer_across_stages_is_refused():
     assert_all_close([model(x)], [pm(x)])
 
 
+class _TiedHead(keras.layers.Layer):
+    """Logits from the token embedding's own matrix (weight tying)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+
+class _MatrixHead(keras.layers.Layer):
+    """Logits from a matrix variable it was handed (tied without the layer that owns it)."""
+
+    def __init__(self, matrix, **kwargs):
+        super().__init__(**kwargs)
+        self.matrix = matrix
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.matrix))
+
+
+def _tied_lm():
+    """A causal-LM shape: a nested backbone reads the embedding, the output head reads it again."""
+    keras.utils.set_random_seed(0)
+    embedding = keras.layers.Embedding(30, 8, name="token_embedding")
+    inner = keras.Input((6,), dtype="int32")
+    backbone = keras.Model(inner, keras.layers.Dense(8)(embedding(inner)), name="backbone")
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Dense(8, name="mid")(backbone(tokens))
+    logits = _TiedHead(embedding, name="tied_head")(h)
+    return keras.Model(tokens, keras.layers.Activation("linear", name="out")(logits)), embedding
+
+
+def test_weights_shared_through_a_nested_model_are_refused_across_stages():
+    model, embedding = _tied_lm()
+    with pytest.raises(ValueError, match="'token_embedding' is used in stages \\[0, 1\\]") as info:
+        tf_gpipe.PipelineModel.from_model(model, num_stages=2, balance=[1, 3])
+    assert "'backbone' in stage 0" in str(info.value) and "'tied_head' in stage 1" in str(info.value)
+    assert "balance" in str(info.value)
+    # The same layers given as a list: the same error.
+    with pytest.raises(ValueError, match="'token_embedding' is used in stages \\[0, 1\\]"):
+        tf_gpipe.PipelineModel([model.layers[1], model.layers[2], model.layers[3]], balance=[1, 2])
+    # A variable handed to another stage's layer, without its layer: the same error.
+    head = _MatrixHead(embedding.embeddings, name="matrix_head")
+    with pytest.raises(ValueError, match="variable 'token_embedding/embeddings' is used in stages"):
+        tf_gpipe.PipelineModel([model.layers[1], model.layers[2], head], balance=[1, 2])
+    # A cut that keeps both uses in one stage puts the embedding on that stage's device.
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=2, balance=[3, 1], num_micro_batches=2)
+    assert embedding.embeddings.value.device.endswith(pm.devices[0].replace("/device:", "device:"))
+    tokens = np.arange(24).reshape(4, 6) % 30
+    assert_all_close([model(tokens)], [pm(tokens)])
+
+
 def test_save_and_load_a_split_functional_model(tmp_path):
     model = resnet_like()
     pm = tf_gpipe.PipelineModel.from_model(model, num_stages=2, num_micro_batches=2)

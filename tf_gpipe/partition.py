@@ -67,16 +67,43 @@ def split_by_balance(
     return groups
 
 
+def _nested(item: Any) -> List[Any]:
+    """``item`` and every layer inside it (sublayers, nested models), ``item`` first."""
+    flatten = getattr(item, "_flatten_layers", None)
+    return list(flatten(include_self=True)) if flatten is not None else [item]
+
+
+def _refuse(kind: str, name: str, shared: Any, uses: dict) -> None:
+    stages = sorted(uses)
+    through = [f"{uses[s].name!r} in stage {s}" for s in stages if uses[s] is not shared]
+    via = f" (through {' and '.join(through)})" if through else ""
+    raise ValueError(
+        f"tf_gpipe: {kind} {name!r} is used in stages {stages}{via}. A shared (tied) {kind} "
+        "lives on one device, so all its uses must fall in one stage: choose a balance whose "
+        "cuts keep them together (or untie the weights)."
+    )
+
+
 def check_tied_layers(groups: Sequence[Sequence[Any]]) -> None:
-    """Refuse a layer object used in two stages: its variables can live on one device only."""
-    where: dict = {}
+    """Refuse a layer or variable that two stages use: it can live on one device only.
+
+    A layer counts wherever it appears, directly or nested inside another layer or
+    model of the stage (a tied embedding read by a sub-model in one stage and by an
+    output head in another); a built nested layer without variables may be shared.
+    """
+    layers: dict = {}  # id(layer) -> (layer, {stage: the stage's layer it is reached through})
+    variables: dict = {}  # id(variable) -> (variable, {stage: the stage's layer that holds it})
     for s, group in enumerate(groups):
-        for layer in group:
-            where.setdefault(id(layer), (layer, set()))[1].add(s)
-    for layer, stages in where.values():
-        if len(stages) > 1:
-            raise ValueError(
-                f"tf_gpipe: layer {layer.name!r} is used in stages {sorted(stages)}. A shared "
-                "(tied) layer keeps its variables on one device, so all its uses must fall in "
-                "one stage: choose a balance whose cuts keep them together (or untie the weights)."
-            )
+        for item in group:
+            for sub in _nested(item):
+                if sub is not item and getattr(sub, "built", False) and not getattr(sub, "variables", ()):
+                    continue
+                layers.setdefault(id(sub), (sub, {}))[1].setdefault(s, item)
+            for v in getattr(item, "variables", ()):
+                variables.setdefault(id(v), (v, {}))[1].setdefault(s, item)
+    for layer, uses in layers.values():
+        if len(uses) > 1:
+            _refuse("layer", getattr(layer, "name", type(layer).__name__), layer, uses)
+    for variable, uses in variables.values():
+        if len(uses) > 1:
+            _refuse("variable", getattr(variable, "path", None) or variable.name, variable, uses)

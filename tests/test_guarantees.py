@@ -1,0 +1,296 @@
+"""Guarantees users rely on that no other test would notice losing.
+
+Each test here was checked by breaking the library code that provides its
+guarantee (the test then fails) while the rest of the suite still passed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, data, pair
+
+import tf_gpipe
+from tf_gpipe import timeline
+
+MiB = 2.0**20
+
+# ---------------------------------------------------------------- memory probe
+
+# Peak bytes TensorFlow's CPU allocator holds during one steady-state training step (the
+# second; the first traces), above what it held before the step. All logical CPUs share
+# that allocator, so it is the total over every stage. Run in a fresh process per call:
+# the logical CPUs must be configured before TensorFlow starts.
+_PROBE = """
+import json, sys
+import tf_gpipe
+cfg = json.loads(sys.argv[1])
+tf_gpipe.configure_virtual_cpus(cfg["K"])
+import keras, numpy as np, tensorflow as tf
+
+def layers(width, narrow, K, deep):
+    if deep:  # a uniform stack: activations inside a stage are what remat drops
+        return [keras.Input((width,))] + [
+            keras.layers.Dense(width, activation="relu") for _ in range(deep)
+        ] + [keras.layers.Dense(10)], None
+    out = [keras.Input((narrow,))]  # stages cut at the wide activations: they are the stashes
+    for _ in range(K):
+        out += [keras.layers.Dense(narrow, activation="relu"), keras.layers.Dense(width, activation="relu")]
+    return out + [keras.layers.Dense(10)], [2] * (K - 1) + [3]
+
+peaks = []
+for run in cfg["runs"]:
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    made, balance = layers(cfg["width"], cfg.get("narrow"), cfg["K"], cfg.get("deep"))
+    pm = tf_gpipe.PipelineModel(made, num_stages=cfg["K"], balance=balance, **run)
+    pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    n = cfg["rows"] * run["num_micro_batches"]
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.rand(n, made[0].shape[-1]).astype("float32"))
+    y = tf.constant(rng.randint(0, 10, n))
+    pm.train_on_batch(x, y)
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    pm.train_on_batch(x, y)
+    peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - base)
+print("PEAKS " + json.dumps(peaks))
+"""
+
+
+def _peaks(config):
+    """The probe's peak bytes, one per entry of config["runs"] (PipelineModel kwargs)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The BFC allocator keeps statistics on every CPU; TensorFlow's default CPU
+    # allocator keeps none unless oneDNN is on, which depends on the host's CPU.
+    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.split("PEAKS")[-1])
+
+
+def test_1f1b_peak_memory_is_flat_in_m_without_a_timeline():
+    """1F1B holds at most K - d stashes on device d, however many micro-batches there are.
+    Only the executor's per-device control dependencies enforce that order when no timeline
+    recorder runs (the recorder's markers would serialize each device on their own)."""
+    K, rows, width = 4, 64, 4096
+    stash = rows * width * 4  # one micro-batch's activation between two stages
+    runs = [dict(num_micro_batches=M, schedule="1f1b", remat="always") for M in (4, 8)]
+    at4, at8 = _peaks(dict(K=K, rows=rows, width=width, narrow=32, runs=runs))
+    # Running every forward as early as dataflow allows would keep M stashes on each of the
+    # K - 1 later devices: 12 more at M=8 than at M=4.
+    assert at8 - at4 < 4 * stash, (at4 / MiB, at8 / MiB)
+
+
+def test_remat_always_lowers_peak_memory():
+    """A re-materialized stage keeps only its inputs until its backward; its replay waits for
+    the incoming gradient, so the activations of one micro-batch exist at a time."""
+    runs = [dict(num_micro_batches=4, schedule="gpipe", remat=r) for r in ("always", "never")]
+    always, never = _peaks(dict(K=2, rows=512, width=256, deep=8, runs=runs))
+    # Replays started as soon as their inputs exist hold every micro-batch's activations
+    # again: as much as (here more than) never re-materializing.
+    assert always < 0.6 * never, (always / MiB, never / MiB)
+
+
+# ---------------------------------------------------------------- equivalence
+
+
+def _bn_layers():
+    keras.utils.set_random_seed(5)
+    return [
+        keras.layers.Dense(8),
+        keras.layers.BatchNormalization(momentum=0.6),
+        keras.layers.ReLU(),
+        keras.layers.Dense(3),
+    ]
+
+
+def _moving(model):
+    return [w.numpy() for w in model.non_trainable_weights if "moving" in w.path]
+
+
+def _fit(model, x, y, batch_size, epochs=1, optimizer="sgd"):
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+
+
+def test_empty_micro_batches_without_deferred_batch_norm_leave_weights_finite():
+    """Batches smaller than M at run time have empty micro-batches; with per-micro-batch
+    BatchNormalization updates, their NaN moments must not reach the moving statistics."""
+    keras.utils.set_random_seed(0)
+    pm = tf_gpipe.PipelineModel(_bn_layers(), num_stages=2, num_micro_batches=8, deferred_batch_norm=False)
+    x, y = data(10)
+    _fit(pm, x, y, batch_size=7, epochs=2)  # batches of 7 and 3 < M=8
+    assert all(np.all(np.isfinite(w)) for w in pm.get_weights())
+    assert not np.allclose(_moving(pm)[0], 0.0)  # the statistics did move
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_activity_regularizers_with_uneven_micro_batches_match_unsplit(schedule):
+    """An activity regularizer is a batch mean: micro-batch m's term counts n_m / N of it."""
+
+    def make():
+        keras.utils.set_random_seed(8)
+        return [
+            keras.layers.Dense(8, activation="relu", activity_regularizer=keras.regularizers.L2(0.05)),
+            keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.02)),
+            keras.layers.Dense(3),
+        ]
+
+    seq, pm = pair(make, (None, 8), num_stages=3, num_micro_batches=4, schedule=schedule)
+    x, y = data(10)  # micro-batches of 3, 3, 2, 2
+    hist = [_fit(m, x, y, batch_size=10, epochs=2, optimizer=keras.optimizers.Adam(0.01)) for m in (seq, pm)]
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(hist[0].history["loss"], hist[1].history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_deferred_batch_norm_with_uneven_micro_batches_matches_unsplit(schedule):
+    """Pooled moments weight each micro-batch by its examples, as one batch would."""
+    seq, pm = pair(_bn_layers, (None, 8), num_stages=2, num_micro_batches=4, schedule=schedule)
+    x, y = data(10)  # micro-batches of 3, 3, 2, 2
+    x[6:] = x[6:] * 4.0 + 3.0  # the small micro-batches have other statistics
+    for model in (seq, pm):
+        _fit(model, x, y, batch_size=10)
+    assert_all_close(_moving(seq), _moving(pm), rtol=1e-5, atol=1e-6)
+
+
+def test_deferred_batch_norm_after_masked_embedding_counts_valid_tokens():
+    """After an Embedding with mask_zero, BatchNormalization's statistics pool only the
+    valid tokens; micro-batches with more padding weigh less, as in Keras' unsplit model."""
+
+    def make():
+        keras.utils.set_random_seed(2)
+        return [
+            keras.layers.Embedding(20, 6, mask_zero=True),
+            keras.layers.BatchNormalization(momentum=0.5),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(3),
+        ]
+
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(1, 20, (10, 7))
+    for i, length in enumerate([1, 2, 2, 3, 4, 5, 7, 7, 6, 7]):  # padded tails
+        tokens[i, length:] = 0
+    y = rng.randint(0, 3, 10)
+    seq = keras.Sequential([keras.Input((7,), dtype="int32")] + make())
+    pm = tf_gpipe.PipelineModel(
+        [keras.Input((7,), dtype="int32")] + make(), num_stages=2, num_micro_batches=4
+    )
+    pm.set_weights(seq.get_weights())
+    for model in (seq, pm):
+        _fit(model, tokens, y, batch_size=10)
+    assert_all_close(_moving(seq), _moving(pm), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(_moving(pm)[0], 0.0)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def _functional():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6,))
+    h = keras.layers.Dense(6)(inp)
+    h = keras.layers.Add()([h, keras.layers.Dense(6)(h)])
+    return keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(6)(h)))
+
+
+@pytest.mark.parametrize("source", ["layers", "from_model"])
+def test_config_round_trip_keeps_every_non_default_argument(source, cpu_devices):
+    devices = [cpu_devices[3], cpu_devices[1]]
+    kwargs = dict(
+        num_micro_batches=4,
+        devices=devices,
+        remat="never",
+        schedule="interleaved",
+        virtual_stages=2,
+        deferred_batch_norm=False,
+        name="piped",
+    )
+    if source == "layers":
+        model = tf_gpipe.PipelineModel(
+            [keras.layers.Dense(4) for _ in range(5)], balance=[1, 1, 2, 1], side_inputs=("scale",), **kwargs
+        )
+    else:  # a functional model's stages read only the tensors the graph gives them
+        model = tf_gpipe.PipelineModel.from_model(_functional(), num_stages=2, balance=[1, 1, 2, 1], **kwargs)
+    config = json.loads(json.dumps(model.get_config()))  # as a .keras file holds it
+    clone = tf_gpipe.PipelineModel.from_config(json.loads(json.dumps(config)))
+    assert clone.name == "piped"
+    assert clone.num_micro_batches == 4
+    assert clone.devices == ["/device:CPU:3", "/device:CPU:1"]
+    assert clone.remat == "never"
+    assert clone.schedule == "interleaved"
+    assert clone.virtual_stages == 2 and clone.num_stages == 2 and len(clone.cells) == 4
+    assert clone.deferred_batch_norm is False
+    if source == "layers":
+        assert clone.side_inputs == ("scale",)
+        assert clone.balance == [1, 1, 2, 1]
+    else:
+        assert clone._node_balance == [1, 1, 2, 1]
+    assert json.loads(json.dumps(clone.get_config())) == config
+
+
+# ---------------------------------------------------------------- placement
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_optimizer_slots_on_stage_devices_under_mixed_float16(mixed_float16):
+    """The LossScaleOptimizer's inner optimizer owns the slots: they follow their variables."""
+    devices = ["/device:CPU:3", "/device:CPU:1", "/device:CPU:2"]  # CPU:0 is the default elsewhere
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(8), keras.layers.Dense(3)]
+    pm = tf_gpipe.PipelineModel(layers, devices=devices, num_micro_batches=2)
+    pm.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    x = np.random.RandomState(0).randn(8, 5).astype("float32")
+    pm.fit(x, np.zeros((8, 3), "float32"), batch_size=8, epochs=1, verbose=0)
+    assert type(pm.optimizer).__name__ == "LossScaleOptimizer"
+    inner = pm.optimizer.inner_optimizer
+    placed = []
+    for cell in pm.cells:
+        for v in cell.trainable_variables:
+            i = inner._get_variable_index(v)
+            for slot in (inner._momentums[i], inner._velocities[i]):
+                spec = tf.DeviceSpec.from_string(slot.value.device)
+                placed.append((slot.path, f"/device:CPU:{spec.device_index}", cell.device))
+    assert len(placed) == 12
+    assert [p for p in placed if p[1] != p[2]] == []
+
+
+# ---------------------------------------------------------------- re-materialization
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_remat_except_last_never_replays_the_last_stage(schedule):
+    """The last stage's backward follows its forward at once, so it keeps its activations;
+    every other stage is replayed once per micro-batch."""
+    K, M = 3, 3
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(6, activation="tanh") for _ in range(K - 1)] + [keras.layers.Dense(3)]
+    pm = tf_gpipe.PipelineModel(
+        layers, num_stages=K, num_micro_batches=M, remat="except_last", schedule=schedule
+    )
+    x, y = data(6, d=5)
+    pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with timeline.record(pm) as rec:
+        pm.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    labels = [label for _, _, label in rec.events]
+    assert sum(label.startswith("start B") for label in labels) == K * M  # the step was recorded
+    replayed = sorted(label.split(" ", 1)[1] for label in labels if label.startswith("replayed "))
+    assert replayed == sorted(f"B{m}@s{s}" for s in range(K - 1) for m in range(M))
