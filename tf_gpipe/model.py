@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -457,7 +458,8 @@ class PipelineModel(keras.Model):
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: Any = None) -> "PipelineModel":
-        config = dict(config)
+        # Keras' deserialization consumes nested configs in place: keep the caller's intact.
+        config = copy.deepcopy(config)
         if "source_model" in config:
             source = keras.saving.deserialize_keras_object(
                 config.pop("source_model"), custom_objects=custom_objects
