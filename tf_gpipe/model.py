@@ -398,12 +398,7 @@ class PipelineModel(keras.Model):
     def call(self, inputs: Any, training: Optional[bool] = None, mask: Any = None) -> Any:
         xs, masks, sides = self._split(inputs, mask)
         acts, out_masks, losses = self._pipeline.call(xs, masks, training, sides)
-        outputs = microbatch.merge(acts)
-        if out_masks[0] is not None:
-            merged_mask = microbatch.merge(out_masks)
-            for t, m in zip(tf.nest.flatten(outputs), tf.nest.flatten(merged_mask)):
-                if m is not None:
-                    keras.src.backend.set_keras_mask(t, m)
+        outputs = microbatch.merge(acts, out_masks)
         for share, row in zip(trainer.shares(xs.sizes, structure.batch_size(inputs)), losses):
             for loss in row:
                 self.add_loss(loss * tf.cast(share, loss.dtype))
