@@ -179,3 +179,39 @@ def test_masked_loss_under_loss_scaling(mixed_float16):
     assert type(pm.optimizer).__name__ == "LossScaleOptimizer"
     assert logs[1]["loss"] == pytest.approx(logs[0]["loss"], rel=2e-3)
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=2e-2, atol=2e-3)
+
+
+class _TwoHeads(keras.layers.Layer):
+    """Two masked per-token outputs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self.a = keras.layers.Dense(CLASSES, kernel_initializer=_wide(6))
+        self.b = keras.layers.Dense(CLASSES, kernel_initializer=_wide(7))
+
+    def call(self, x):
+        return self.a(x), self.b(x)
+
+    def compute_mask(self, x, mask=None):
+        return mask, mask
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_several_masked_outputs(schedule):
+    def make():
+        return _layers("dense")[:-1] + [_TwoHeads()]
+
+    seq, pm = pair(make, (None, T), input_dtype="int32", num_stages=2, num_micro_batches=3, schedule=schedule)
+    x, y, _ = _padded(7)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for model in (seq, pm):
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=[loss, loss])
+    expected = seq.train_on_batch(x, (y, y[:, ::-1]), return_dict=True)
+    if schedule != "gpipe":  # each output's loss has its own count of valid tokens
+        with pytest.raises(ValueError, match="several outputs.*schedule='gpipe'"):
+            pm.train_on_batch(x, (y, y[:, ::-1]))
+        return
+    got = pm.train_on_batch(x, (y, y[:, ::-1]), return_dict=True)
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert_all_close(seq.get_weights(), pm.get_weights())

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Union
 import tensorflow as tf
 from keras.src import backend as _kbackend
 
-__all__ = ["Split", "check_batched", "split", "merge", "attach_mask"]
+__all__ = ["Split", "check_batched", "split", "merge"]
 
 
 @dataclass
@@ -116,7 +116,7 @@ def split(structure: Any, num_micro_batches: int, exact: bool = False) -> Split:
     return Split(chunks=chunks, sizes=sizes, static=static)
 
 
-def attach_mask(outputs: Any, mask: Any) -> Any:
+def _attach_mask(outputs: Any, mask: Any) -> Any:
     """``outputs`` with ``mask`` set as their Keras mask (``mask`` shaped like them, or None).
 
     Keras losses and metrics read the mask from ``y_pred`` itself: without it they
@@ -136,7 +136,7 @@ def merge(chunks: Sequence[Any], masks: Optional[Sequence[Any]] = None) -> Any:
     With ``masks`` (each micro-batch's Keras mask), the merged outputs carry the merged mask.
     """
     if masks is not None and masks[0] is not None:
-        return attach_mask(merge(chunks), merge(masks))
+        return _attach_mask(merge(chunks), merge(masks))
     if len(chunks) == 1:
         return chunks[0]
     flats = [tf.nest.flatten(c) for c in chunks]

@@ -93,7 +93,7 @@ def train_step(model: Any, data: Any) -> dict:
         watched = [t for t in flat if structure.is_float(t)]
         with tf.GradientTape() as tape:
             tape.watch(watched)
-            out = microbatch.attach_mask(out, mask)
+            # ``out`` still carries its Keras mask (set by its last layer): the loss sees it.
             value, valid = _micro_batch_loss(model, y_m, out, mask, sw_m, joint.sizes[m], batch_size)
             if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
                 value = tf.reduce_sum(value)
