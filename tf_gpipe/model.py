@@ -106,7 +106,9 @@ class PipelineModel(keras.Model):
             ``"interleaved"`` (1F1B over ``virtual_stages`` chunks per device;
             smaller bubble; needs ``num_micro_batches % num_stages == 0``). The
             last two compute the loss per micro-batch, so it must reduce by
-            ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``.
+            ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``; a masked
+            output's loss is exact, but not together with losses that layers
+            add or with other outputs (use ``"gpipe"`` there).
         virtual_stages: v, chunks per device for ``"interleaved"``: layers are cut
             into ``num_stages * v`` cells and cell ``s`` runs on device ``s % K``.
         deferred_batch_norm: BatchNormalization layers normalize each micro-batch
