@@ -111,14 +111,15 @@ def test_fit_with_unknown_batch_and_empty_micro_batches(schedule, M, v):
     assert_all_close([seq.evaluate(x, y, verbose=0)], [pm.evaluate(x, y, verbose=0)])
 
 
-def test_sum_reduction_with_mask_under_1f1b():
+@pytest.mark.parametrize("reduction,weighted", [("sum", True), ("mean_with_sample_weight", False)])
+def test_other_reductions_with_mask_under_1f1b(reduction, weighted):
     seq, pm = _pair("dense", "1f1b", 3, 1)
     x, y, sw = _padded(7)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
     logs = []
     for model in (seq, pm):
         _compile(model, loss=loss)
-        logs.append(model.train_on_batch(x, y, sample_weight=sw, return_dict=True))
+        logs.append(model.train_on_batch(x, y, sample_weight=sw if weighted else None, return_dict=True))
     assert logs[1]["loss"] == pytest.approx(logs[0]["loss"], rel=1e-5)
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-4, atol=1e-5)
 
