@@ -3,7 +3,7 @@
 
 import keras
 import numpy as np
-from helpers import assert_all_close
+from helpers import assert_all_close, pair
 
 import tf_gpipe
 
@@ -139,3 +139,44 @@ def test_balance_by_method_and_numpy_balance():
     assert pm.balance == [5, 1]  # the heavy head alone
     pm = tf_gpipe.PipelineModel([keras.layers.Dense(2) for _ in range(4)], balance=np.array([3, 1]))
     assert pm.balance == [3, 1]
+
+
+def test_fit_loss_honours_the_output_mask():
+    """0.1.0 (pre-release): with a Keras mask on the outputs (Embedding(mask_zero=True) then
+    Dense), fit's loss and metrics counted the padding. gpipe reported the unmasked loss
+    (1.105031 against Keras' 1.106655, weights 5e-2 apart after one SGD step); 1f1b weighted
+    each micro-batch's masked mean by its share of examples, not of valid tokens (1.106191,
+    weights 7e-3 apart). evaluate() and __call__ were right.
+    fixed in: <this branch's commit>"""
+    rng = np.random.RandomState(0)
+    x = np.zeros((8, 6), "int32")
+    for i, length in enumerate([1, 2, 3, 4, 5, 6, 2, 1]):
+        x[i, :length] = rng.randint(1, 20, length)
+    y = rng.randint(0, 5, (8, 6))
+
+    def make():
+        keras.utils.set_random_seed(0)
+        init = keras.initializers.RandomNormal(stddev=1.5, seed=1)
+        return [
+            keras.layers.Embedding(20, 8, mask_zero=True, embeddings_initializer=init),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(5),
+        ]
+
+    for schedule in ("gpipe", "1f1b"):
+        seq, pm = pair(
+            make, (None, 6), input_dtype="int32", num_stages=2, num_micro_batches=2, schedule=schedule
+        )
+        logs = []
+        for model in (seq, pm):
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.5),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["sparse_categorical_accuracy"],
+            )
+            logs.append(model.train_on_batch(x, y, return_dict=True))
+        np.testing.assert_allclose(logs[1]["loss"], logs[0]["loss"], rtol=1e-5)
+        np.testing.assert_allclose(
+            logs[1]["sparse_categorical_accuracy"], logs[0]["sparse_categorical_accuracy"], rtol=1e-6
+        )
+        assert_all_close(seq.get_weights(), pm.get_weights())

@@ -21,8 +21,9 @@ __all__ = ["run_schedule", "accumulate"]
 
 # Loss hooks the model supplies. Either the whole mini-batch loss once every forward
 # is done (fill-drain only), or a loss per micro-batch right after its last forward.
-BatchLossFn = Callable[[List[Any]], List[List[Optional[tf.Tensor]]]]
-MicroLossFn = Callable[[int, Any], List[Optional[tf.Tensor]]]
+# Both get the Keras masks of the outputs too: a loss over padded sequences needs them.
+BatchLossFn = Callable[[List[Any], List[Any]], List[List[Optional[tf.Tensor]]]]
+MicroLossFn = Callable[[int, Any, Any], List[Optional[tf.Tensor]]]
 
 
 def accumulate(total, g):
@@ -71,7 +72,7 @@ def run_schedule(
     cell_loss_grads: Optional[Sequence[tf.Tensor]] = None,
     tracer: Any = None,
     deferred: Any = None,
-) -> Tuple[List[Any], Dict[int, Any], List[List[tf.Tensor]]]:
+) -> Tuple[List[Any], List[Any], Dict[int, Any], List[List[tf.Tensor]]]:
     """Build one training step of ``schedule`` over ``cells``.
 
     Args:
@@ -80,17 +81,17 @@ def run_schedule(
         split: the micro-batched inputs of stage 0; masks: their Keras masks.
         remat: whether stage ``s`` is re-materialized.
         sides: per micro-batch, the side inputs every stage may read (or None).
-        batch_loss: given the last stage's outputs of every micro-batch, the loss
-            gradient for each (fill-drain schedules only).
-        micro_loss: given ``(m, outputs_m)``, the loss gradient for micro-batch ``m``.
+        batch_loss: given the last stage's outputs of every micro-batch and their
+            masks, the loss gradient for each (fill-drain schedules only).
+        micro_loss: given ``(m, outputs_m, mask_m)``, the loss gradient for micro-batch ``m``.
         cell_loss_grads: per micro-batch, d(loss)/d(each loss a layer added in it).
         tracer: optional ``tf_gpipe.timeline.Recorder`` that marks each span.
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
 
     Returns:
-        ``(outputs per micro-batch, {id(variable): summed gradient},
-        losses the layers added, per micro-batch)``.
+        ``(outputs per micro-batch, their Keras masks (None where unmasked),
+        {id(variable): summed gradient}, losses the layers added, per micro-batch)``.
     """
     S, M = len(cells), len(split)
     if schedule.num_stages != S or schedule.num_micro_batches != M:
@@ -101,6 +102,7 @@ def run_schedule(
     records: Dict[Tuple[int, int], checkpoint.Record] = {}
     grads_in: Dict[Tuple[int, int], List[Optional[tf.Tensor]]] = {}
     outputs: List[Any] = [None] * M
+    out_masks: List[Any] = [None] * M
     totals: Dict[int, Any] = {}
     last: Dict[int, List[tf.Tensor]] = {}  # device -> what its previous action produced
     cell_losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
@@ -135,10 +137,10 @@ def run_schedule(
             cell_losses[m].extend(rec.losses)
             last[d] = mark("end " + tag, d, _done(rec.outputs))
             if s == S - 1:
-                outputs[m] = rec.outputs
+                outputs[m], out_masks[m] = rec.outputs, rec.out_mask
                 if micro_loss is not None:
                     with tf.device(cell.device), tf.name_scope(f"loss_mb{m}"):
-                        grads_in[(s, m)] = micro_loss(m, rec.outputs)
+                        grads_in[(s, m)] = micro_loss(m, rec.outputs, rec.out_mask)
         else:
             if (s, m) not in grads_in:
                 if batch_loss is None:
@@ -152,7 +154,7 @@ def run_schedule(
                         "forward is done, so the whole mini-batch loss is not ready; use "
                         "schedule='gpipe' for this loss."
                     )
-                for mm, g in enumerate(batch_loss(outputs)):
+                for mm, g in enumerate(batch_loss(outputs, out_masks)):
                     grads_in[(S - 1, mm)] = g
             rec = records.pop((s, m))
             variables = cell.trainable_variables
@@ -180,4 +182,4 @@ def run_schedule(
             # every micro-batch, which keeps M copies of the weight gradients alive.
             sums = [totals[id(v)] for v, g in zip(variables, var_grads) if g is not None]
             last[d] = mark("end " + tag, d, _done(in_grads, sums))
-    return outputs, totals, cell_losses
+    return outputs, out_masks, totals, cell_losses

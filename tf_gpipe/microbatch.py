@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Union
 
 import tensorflow as tf
+from keras.src import backend as _kbackend
 
 __all__ = ["Split", "check_batched", "split", "merge"]
 
@@ -115,8 +116,27 @@ def split(structure: Any, num_micro_batches: int, exact: bool = False) -> Split:
     return Split(chunks=chunks, sizes=sizes, static=static)
 
 
-def merge(chunks: Sequence[Any]) -> Any:
-    """Concatenate per-micro-batch structures back into one mini-batch, in order."""
+def _attach_mask(outputs: Any, mask: Any) -> Any:
+    """``outputs`` with ``mask`` set as their Keras mask (``mask`` shaped like them, or None).
+
+    Keras losses and metrics read the mask from ``y_pred`` itself: without it they
+    count the padding too.
+    """
+    if mask is None:
+        return outputs
+    for t, m in zip(tf.nest.flatten(outputs), tf.nest.flatten(mask)):
+        if m is not None:
+            _kbackend.set_keras_mask(t, m)
+    return outputs
+
+
+def merge(chunks: Sequence[Any], masks: Optional[Sequence[Any]] = None) -> Any:
+    """Concatenate per-micro-batch structures back into one mini-batch, in order.
+
+    With ``masks`` (each micro-batch's Keras mask), the merged outputs carry the merged mask.
+    """
+    if masks is not None and masks[0] is not None:
+        return _attach_mask(merge(chunks), merge(masks))
     if len(chunks) == 1:
         return chunks[0]
     flats = [tf.nest.flatten(c) for c in chunks]

@@ -107,7 +107,9 @@ class PipelineModel(keras.Model):
             ``"interleaved"`` (1F1B over ``virtual_stages`` chunks per device;
             smaller bubble; needs ``num_micro_batches % num_stages == 0``). The
             last two compute the loss per micro-batch, so it must reduce by
-            ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``.
+            ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``; a masked
+            output's loss is exact, but not together with losses that layers
+            add or with other outputs (use ``"gpipe"`` there).
         virtual_stages: v, chunks per device for ``"interleaved"``: layers are cut
             into ``num_stages * v`` cells and cell ``s`` runs on device ``s % K``.
         deferred_batch_norm: BatchNormalization layers normalize each micro-batch
@@ -399,12 +401,7 @@ class PipelineModel(keras.Model):
     def call(self, inputs: Any, training: Optional[bool] = None, mask: Any = None) -> Any:
         xs, masks, sides = self._split(inputs, mask)
         acts, out_masks, losses = self._pipeline.call(xs, masks, training, sides)
-        outputs = microbatch.merge(acts)
-        if out_masks[0] is not None:
-            merged_mask = microbatch.merge(out_masks)
-            for t, m in zip(tf.nest.flatten(outputs), tf.nest.flatten(merged_mask)):
-                if m is not None:
-                    keras.src.backend.set_keras_mask(t, m)
+        outputs = microbatch.merge(acts, out_masks)
         for share, row in zip(trainer.shares(xs.sizes, structure.batch_size(inputs)), losses):
             for loss in row:
                 self.add_loss(loss * tf.cast(share, loss.dtype))

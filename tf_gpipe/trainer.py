@@ -66,17 +66,17 @@ def train_step(model: Any, data: Any) -> dict:
     unit = tf.constant(1.0) if opt is None else tf.convert_to_tensor(opt.scale_loss(tf.constant(1.0)))
     batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
     weights = shares(joint.sizes, batch_size)
-    state: dict = {"direct": [None] * len(trainable), "loss": []}
+    state: dict = {"direct": [None] * len(trainable), "loss": [], "valid": []}
     deferred = model._pipeline.deferred_stats(True)
 
-    def batch_loss(outs):
+    def batch_loss(outs, masks):
         # Fill-drain: every forward is done, so the loss sees the whole mini-batch,
-        # exactly as the unsplit model's does (any loss, any reduction).
+        # exactly as the unsplit model's does (any loss, any reduction, masks merged).
         flat = [tf.nest.flatten(o) for o in outs]
         watched = [t for f in flat for t in f if structure.is_float(t)]
         with tf.GradientTape() as tape:
             tape.watch(watched)
-            y_pred = microbatch.merge(outs)
+            y_pred = microbatch.merge(outs, masks)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             scaled = loss if opt is None else opt.scale_loss(loss)
         state["loss"].append(loss)
@@ -87,13 +87,14 @@ def train_step(model: Any, data: Any) -> dict:
         it = iter(got[: len(watched)])
         return [[next(it) if structure.is_float(t) else None for t in f] for f in flat]
 
-    def micro_loss(m, out):
+    def micro_loss(m, out, mask):
         _, y_m, sw_m, _ = joint.chunks[m]
         flat = tf.nest.flatten(out)
         watched = [t for t in flat if structure.is_float(t)]
         with tf.GradientTape() as tape:
             tape.watch(watched)
-            value = _micro_batch_loss(model, y_m, out, sw_m, joint.sizes[m], batch_size)
+            # ``out`` still carries its Keras mask (set by its last layer): the loss sees it.
+            value, valid = _micro_batch_loss(model, y_m, out, mask, sw_m, joint.sizes[m], batch_size)
             if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
                 value = tf.reduce_sum(value)
             nonempty = joint.nonempty(m)
@@ -101,10 +102,12 @@ def train_step(model: Any, data: Any) -> dict:
                 value = tf.where(nonempty, value, tf.zeros_like(value))
             scaled = value if opt is None else opt.scale_loss(value)
         state["loss"].append(value)
+        if valid is not None:
+            state["valid"].append(valid)
         got = iter(tape.gradient(scaled, watched, unconnected_gradients=tf.UnconnectedGradients.NONE))
         return [next(got) if structure.is_float(t) else None for t in flat]
 
-    outs, totals, cell_losses = run_schedule(
+    outs, out_masks, totals, cell_losses = run_schedule(
         plan,
         model._pipeline.cells,
         xs,
@@ -117,10 +120,13 @@ def train_step(model: Any, data: Any) -> dict:
         tracer=model._tracer,
         deferred=deferred,
     )
+    loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
+    factor = _valid_factor(model, state["valid"], cell_losses) if state["valid"] else None
+    if factor is not None:
+        loss = loss * tf.cast(factor, loss.dtype)
     if deferred is not None:
         deferred.apply()
-    y_pred = microbatch.merge(outs)
-    loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
+    y_pred = microbatch.merge(outs, out_masks)
     if exact and model.losses:
         # Regularization terms read the weights directly: once per mini-batch.
         with tf.GradientTape() as tape:
@@ -144,6 +150,9 @@ def train_step(model: Any, data: Any) -> dict:
         final = []
         for v, g in zip(trainable, state["direct"]):
             total = totals.get(id(v))
+            if factor is not None and total is not None:
+                with tf.device(v.value.device):
+                    total = _scale(total, factor)
             if g is not None:
                 with tf.device(v.value.device):
                     total = accumulate(total, g)
@@ -154,9 +163,19 @@ def train_step(model: Any, data: Any) -> dict:
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def _micro_batch_loss(model: Any, y_m, out_m, sw_m, n_m, batch_size):
+def _micro_batch_loss(model: Any, y_m, out_m, mask_m, sw_m, n_m, batch_size):
     """The compiled loss of one micro-batch, weighted so the micro-batches sum to
-    the mini-batch loss (1F1B must start a backward before the batch is complete)."""
+    the mini-batch loss (1F1B must start a backward before the batch is complete).
+
+    Returns ``(value, valid)``. ``valid`` is None, or, for a masked mean, the
+    micro-batch's valid mask positions as a fraction of all the mini-batch's mask
+    positions. Keras divides a masked loss by the mini-batch's count of valid
+    positions, known only once every forward is done; so ``value`` is then the
+    micro-batch's masked sum over the mini-batch's positions (a known constant, which
+    keeps gradients as small as an unmasked mean's for float16), and train_step
+    divides the loss and the summed gradients by the total valid fraction
+    (``_valid_factor``): linear, so exact.
+    """
     if model._compile_loss is None:
         raise ValueError(
             f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and "
@@ -168,17 +187,57 @@ def _micro_batch_loss(model: Any, y_m, out_m, sw_m, n_m, batch_size):
         for fl in (model._compile_loss._flat_losses or [])
     }
     if reductions <= {"sum"}:
-        return value
-    if reductions <= {"sum_over_batch_size", "mean"} or (
-        sw_m is None and reductions <= {"sum_over_batch_size", "mean", "mean_with_sample_weight"}
+        return value, None
+    if not (
+        reductions <= {"sum_over_batch_size", "mean"}
+        or (sw_m is None and reductions <= {"sum_over_batch_size", "mean", "mean_with_sample_weight"})
     ):
+        raise ValueError(
+            f"tf_gpipe: schedule={model.schedule!r} splits the loss over micro-batches, which "
+            f"needs reduction 'sum_over_batch_size' or 'sum' (got {sorted(map(str, reductions))}). "
+            "Use schedule='gpipe', which computes the loss on the whole mini-batch."
+        )
+    masks = [mk for mk in tf.nest.flatten(mask_m) if mk is not None]
+    if not masks:
         share = tf.cast(n_m, value.dtype) / tf.cast(batch_size, value.dtype)
-        return value * share
-    raise ValueError(
-        f"tf_gpipe: schedule={model.schedule!r} splits the loss over micro-batches, which "
-        f"needs reduction 'sum_over_batch_size' or 'sum' (got {sorted(map(str, reductions))}). "
-        "Use schedule='gpipe', which computes the loss on the whole mini-batch."
-    )
+        return value * share, None
+    if len(tf.nest.flatten(out_m)) > 1:
+        raise ValueError(
+            f"tf_gpipe: schedule={model.schedule!r} cannot yet split a mean loss over "
+            "micro-batches when the model has several outputs and one carries a Keras mask "
+            "(each output's loss is divided by its own count of valid positions). "
+            "Use schedule='gpipe', which computes the loss on the whole mini-batch."
+        )
+    mask = tf.cast(masks[0], value.dtype)
+    # Keras: value = sum(loss * weight * mask) / valid_m. Mask positions of the whole
+    # mini-batch: batch_size * positions per example (the same in every micro-batch).
+    per_example = tf.cast(tf.reduce_prod(tf.shape(mask)[1:]), value.dtype)
+    positions = tf.cast(batch_size, value.dtype) * per_example
+    valid = tf.reduce_sum(mask) / positions
+    return value * valid, valid
+
+
+def _valid_factor(model: Any, valid: List[tf.Tensor], cell_losses) -> tf.Tensor:
+    """1 / (the mini-batch's fraction of valid mask positions): what turns the summed
+    masked losses, and their gradients, into Keras' masked mean."""
+    if any(cell_losses):
+        # Their gradients share the backward passes with the masked loss's, and must
+        # not be divided.
+        raise ValueError(
+            f"tf_gpipe: schedule={model.schedule!r} cannot combine a masked loss (a Keras mask "
+            "on the outputs, e.g. from Embedding(mask_zero=True)) with losses that layers add "
+            "(activity regularizers, add_loss): the masked loss is normalized by the "
+            "mini-batch's count of valid positions, known only after the backward passes "
+            "have begun. Use schedule='gpipe', which computes the loss on the whole mini-batch."
+        )
+    return tf.math.divide_no_nan(tf.constant(1.0, valid[0].dtype), tf.add_n(valid))
+
+
+def _scale(g, factor):
+    factor = tf.cast(factor, g.dtype)
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
+    return g * factor
 
 
 # ------------------------------------------------------------------ saving
