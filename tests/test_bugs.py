@@ -147,7 +147,8 @@ def test_fit_loss_honours_the_output_mask():
     (1.105031 against Keras' 1.106655, weights 5e-2 apart after one SGD step); 1f1b weighted
     each micro-batch's masked mean by its share of examples, not of valid tokens (1.106191,
     weights 7e-3 apart). evaluate() and __call__ were right.
-    fixed in: <this branch's commit>"""
+    Fixed in 49f827e (Masked outputs: the loss and metrics of fit see the Keras mask for every
+    schedule)."""
     rng = np.random.RandomState(0)
     x = np.zeros((8, 6), "int32")
     for i, length in enumerate([1, 2, 3, 4, 5, 6, 2, 1]):
