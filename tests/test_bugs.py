@@ -142,7 +142,7 @@ def test_balance_by_method_and_numpy_balance():
 
 
 def test_fit_loss_honours_the_output_mask():
-    """0.1.0 (pre-release): with a Keras mask on the outputs (Embedding(mask_zero=True) then
+    """With a Keras mask on the outputs (Embedding(mask_zero=True) then
     Dense), fit's loss and metrics counted the padding. gpipe reported the unmasked loss
     (1.105031 against Keras' 1.106655, weights 5e-2 apart after one SGD step); 1f1b weighted
     each micro-batch's masked mean by its share of examples, not of valid tokens (1.106191,
