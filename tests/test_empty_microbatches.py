@@ -187,20 +187,23 @@ def test_deferred_batch_norm_ignores_the_stand_in_examples(schedule):
 
 
 def test_per_micro_batch_batch_norm_skips_padded_micro_batches():
-    """deferred_batch_norm=False, batch 7, M=8: seven updates from one example each, as Keras
-    would apply them; the padded eighth micro-batch moves nothing, and every weight stays finite."""
+    """deferred_batch_norm=False, batches of 8 and 7, M=8: fifteen updates from one example
+    each, as Keras would apply them; the padded micro-batch of the batch of 7 moves
+    nothing, and every weight stays finite."""
     keras.utils.set_random_seed(4)
-    layers = [keras.layers.BatchNormalization(momentum=0.5), keras.layers.Dense(2)]
+    probe = NoEmpty()
+    layers = [probe, keras.layers.BatchNormalization(momentum=0.5), keras.layers.Dense(2)]
     pm = tf_gpipe.PipelineModel(layers, num_stages=1, num_micro_batches=8, deferred_batch_norm=False)
     pm.build((None, 4))
     _compile(pm)
     rng = np.random.RandomState(5)
-    x, y = (rng.randn(7, 4) + 2).astype("float32"), rng.randn(7, 2).astype("float32")
+    x, y = (rng.randn(15, 4) + 2).astype("float32"), rng.randn(15, 2).astype("float32")
     reference = keras.layers.BatchNormalization(momentum=0.5)
     reference.build((None, 4))
-    for i in range(7):
+    for i in range(15):
         reference(x[i : i + 1], training=True)
-    pm.fit(x, y, batch_size=7, epochs=1, shuffle=False, verbose=0)
+    pm.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert None in probe.traced  # the batch size was known only at run time: padded
     assert_all_close(_moving(pm), [reference.moving_mean.numpy(), reference.moving_variance.numpy()])
     assert all(np.all(np.isfinite(w)) for w in pm.get_weights())
 
