@@ -3,6 +3,7 @@
 
 import keras
 import numpy as np
+import tensorflow as tf
 from helpers import assert_all_close, pair
 
 import tf_gpipe
@@ -181,3 +182,91 @@ def test_fit_loss_honours_the_output_mask():
             logs[1]["sparse_categorical_accuracy"], logs[0]["sparse_categorical_accuracy"], rtol=1e-6
         )
         assert_all_close(seq.get_weights(), pm.get_weights())
+
+
+def _fit_both(make, x, y, batch_size, **pipeline_kwargs):
+    seq, pm = pair(make, (None,) + x.shape[1:], **pipeline_kwargs)
+    for model in (seq, pm):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    got = pm.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history["loss"]
+    want = seq.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0).history["loss"]
+    assert_all_close(got, want)
+    assert_all_close(pm.get_weights(), seq.get_weights())
+    return seq, pm
+
+
+def test_1f1b_batch_smaller_than_m_is_not_cut_into_empty_micro_batches():
+    """schedule='1f1b' (and 'interleaved') cut a batch whose size was
+    known while tracing into exactly M pieces, some empty: LSTM + Dense, K=1, M=2, one
+    example raised `ValueError: Exception encountered when calling LSTMCell.call() ...
+    Shape must be rank 1 but is rank 2` where schedule='gpipe' fitted.
+    Fixed in 4b1612a (No layer sees an empty micro-batch: fewer micro-batches for small static
+    batches, pad-and-discard for dynamic ones)."""
+
+    def make():
+        keras.utils.set_random_seed(2)
+        return [keras.layers.LSTM(3, return_sequences=True), keras.layers.Dense(3)]
+
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(1, 4, 2).astype("float32"), rng.randn(1, 4, 3).astype("float32")
+    seq, pm = pair(make, (None, 4, 2), num_stages=1, num_micro_batches=2, schedule="1f1b")
+    for model in (seq, pm):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert_all_close([pm.train_on_batch(x, y)], [seq.train_on_batch(x, y)])
+    assert_all_close(pm.get_weights(), seq.get_weights())
+
+
+class StrictConv2D(keras.layers.Conv2D):
+    """Conv2D as the reporter's TensorFlow ran it: an empty batch of unknown size came
+    back unchanged (wrong shape) instead of as an empty output. Here it fails loudly."""
+
+    def call(self, x):
+        check = tf.debugging.assert_greater(tf.shape(x)[0], 0, message="Conv2D got an empty batch")
+        with tf.control_dependencies([check]):
+            return super().call(tf.identity(x))
+
+
+def test_partial_last_batch_smaller_than_m_gives_no_empty_micro_batch():
+    """under 'gpipe' a last batch smaller than M (13 examples,
+    batch_size=10, M=8: last batch 3) was cut into M micro-batches, 5 of them empty, and
+    Conv2D(4, 1, strides=2, padding='same') + Dense(4) failed with `InvalidArgumentError:
+    Matrix size-incompatible: In[0]: [0,3], In[1]: [4,4]` (TensorFlow's Conv2D returned
+    the empty input unchanged; Conv1D did the same).
+    Fixed in 4b1612a (No layer sees an empty micro-batch: fewer micro-batches for small static
+    batches, pad-and-discard for dynamic ones)."""
+
+    def make():
+        keras.utils.set_random_seed(2)
+        return [StrictConv2D(4, 1, strides=2, padding="same"), keras.layers.Dense(4)]
+
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(13, 4, 4, 3).astype("float32"), rng.randn(13, 2, 2, 4).astype("float32")
+    seq, pm = _fit_both(make, x, y, 10, num_stages=2, num_micro_batches=8)
+    assert_all_close([pm.predict(x, batch_size=10, verbose=0)], [seq.predict(x, batch_size=10, verbose=0)])
+
+
+def test_masked_embedding_reshape_conv2d_under_1f1b():
+    """Embedding(mask_zero=True) -> Reshape -> Conv2D, schedule='1f1b',
+    M=6, batches of 7 and 8 failed with a bare `InvalidArgumentError: Graph execution
+    error`. Not reproduced on this CPU build (TensorFlow 2.21); kept as an equivalence check
+    of that model, with a strict Conv2D that fails if an empty micro-batch reaches it.
+    Fixed in 4b1612a (No layer sees an empty micro-batch: fewer micro-batches for small static
+    batches, pad-and-discard for dynamic ones)."""
+
+    def make():
+        keras.utils.set_random_seed(2)
+        return [
+            keras.layers.Embedding(20, 8, mask_zero=True),
+            keras.layers.Reshape((2, 3, 8)),
+            StrictConv2D(4, 1, strides=2, padding="same"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+
+    rng = np.random.RandomState(0)
+    x = rng.randint(0, 20, (15, 6))
+    x[:, -2:] = 0
+    y = rng.randn(15, 2).astype("float32")
+    # Batches of 8 and 7 (M=6), then 4 < M: the last leaves micro-batches without an example.
+    _fit_both(make, x, y, 8, num_stages=2, num_micro_batches=6, schedule="1f1b")
+    _fit_both(make, x[:12], y[:12], 8, num_stages=2, num_micro_batches=6, schedule="1f1b")

@@ -29,19 +29,48 @@ def test_nested_structures_split_together():
     np.testing.assert_array_equal(merged["b"][0], x["b"][0])
 
 
-def test_dynamic_batch_inside_tf_function_allows_empty_micro_batches():
+def test_dynamic_batch_pads_empty_micro_batches_with_a_real_example():
     @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
     def roundtrip(x):
         s = microbatch.split(x, 4)
-        assert not s.static and len(s) == 4
-        return microbatch.merge(s.chunks), tf.stack(s.sizes), tf.stack([s.nonempty(m) for m in range(4)])
+        assert not s.static and s.padded and len(s) == 4
+        rows = tf.stack([tf.shape(c)[0] for c in s.chunks])
+        last = s.chunks[-1]
+        nonempty = tf.stack([s.nonempty(m) for m in range(4)])
+        return s.merge(s.chunks), tf.stack(s.sizes), nonempty, rows, last
 
     for n, sizes in [(10, [3, 3, 2, 2]), (2, [1, 1, 0, 0]), (0, [0, 0, 0, 0])]:
         x = tf.reshape(tf.range(n * 3, dtype=tf.float32), (n, 3))
-        merged, got, nonempty = roundtrip(x)
+        merged, got, nonempty, rows, last = roundtrip(x)
         np.testing.assert_array_equal(merged, x)
         assert got.numpy().tolist() == sizes
         assert nonempty.numpy().tolist() == [s > 0 for s in sizes]
+        # No chunk is empty unless the whole batch is: a padded one holds the last example.
+        assert rows.numpy().tolist() == [max(s, 1) if n else 0 for s in sizes]
+        if sizes[-1] == 0:
+            np.testing.assert_array_equal(last, x[-1:] if n else x)
+
+
+@pytest.mark.parametrize(
+    "n,M,k,sizes", [(3, 8, 2, [2, 1]), (5, 8, 4, [2, 1, 1, 1]), (1, 4, 2, [1, 0]), (3, 8, 4, [1, 1, 1, 0])]
+)
+def test_static_counts_are_a_multiple_of_k_padding_only_below_k(n, M, k, sizes):
+    x = tf.reshape(tf.range(n * 2), (n, 2))
+    s = microbatch.split(x, M, multiple_of=k)
+    assert s.sizes == sizes and s.static == all(sizes)
+    assert all(int(c.shape[0]) == max(size, 1) for c, size in zip(s.chunks, sizes))
+    for c, size in zip(s.chunks, sizes):
+        if not size:
+            np.testing.assert_array_equal(c, x[-1:])
+            assert not s.nonempty(sizes.index(0)).numpy()
+    np.testing.assert_array_equal(s.merge(s.chunks), x)
+
+
+def test_empty_static_batch_stays_empty():
+    x = tf.zeros((0, 3))
+    s = microbatch.split({"a": x, "b": None}, 4)
+    assert s.sizes == [0] and s.chunks[0]["a"].shape == (0, 3) and s.chunks[0]["b"] is None
+    assert s.merge(s.chunks)["a"].shape == (0, 3)
 
 
 def test_errors_name_the_fix():
@@ -53,3 +82,5 @@ def test_errors_name_the_fix():
         microbatch.split(tf.ones((3, 1)), 0)
     with pytest.raises(ValueError, match="no tensor"):
         microbatch.split((None,), 2)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        microbatch.split(tf.ones((3, 1)), 3, multiple_of=2)

@@ -58,8 +58,14 @@ class DeferredStats:
         return {id(v) for bn in layers for v in (bn.moving_mean, bn.moving_variance)}
 
     @contextlib.contextmanager
-    def capture(self, layers: Sequence[keras.layers.BatchNormalization]) -> Iterator[None]:
-        """Record the moments every layer in ``layers`` computes inside the block."""
+    def capture(
+        self, layers: Sequence[keras.layers.BatchNormalization], nonempty: Any = None
+    ) -> Iterator[None]:
+        """Record the moments every layer in ``layers`` computes inside the block.
+
+        ``nonempty`` (a boolean tensor, or None for True) is False for a padded
+        micro-batch: its stand-in example must not count.
+        """
         originals = []
         for bn in layers:
             original = bn._moments
@@ -68,6 +74,8 @@ class DeferredStats:
                 mean, variance = _original(inputs, mask)
                 count = _count(inputs, mask, _bn._reduction_axes)
                 count = tf.reshape(count, tf.shape(mean)) if mask is not None else count
+                if nonempty is not None:
+                    count = tf.where(nonempty, count, tf.zeros_like(count))
                 self._add(_bn, count, mean, variance)
                 return mean, variance
 

@@ -92,7 +92,7 @@ def _run(
 ) -> Record:
     bns = cell.batch_norms if (deferred is not None and training) else []
     with _RecordingScope() as scope:
-        with deferred.capture(bns) if bns else contextlib.nullcontext():
+        with deferred.capture(bns, nonempty) if bns else contextlib.nullcontext():
             outputs, out_mask = cell.call(inputs, mask, training, side)
     skipped = deferred.skipped_variables(bns) if bns else set()
     written = [v for k, v in scope.written.items() if k not in skipped]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence, Union
 
 import tensorflow as tf
@@ -17,20 +17,25 @@ class Split:
 
     Attributes:
         chunks: one nested structure per micro-batch, shaped like the input.
-        sizes: the number of examples in each micro-batch (python ints when the
-            batch size is known while tracing, else scalar int32 tensors).
-        static: True when every size is a python int (no empty micro-batch then).
+        sizes: the number of real examples in each micro-batch (python ints when
+            the batch size is known while tracing, else scalar int32 tensors).
+        static: True when every size is a python int and none is 0.
+        padded: True when a micro-batch may hold no real example: its chunk then
+            holds a copy of the batch's last example instead, so that no layer sees
+            an empty batch, and everything it produces must be discarded
+            (``nonempty`` is False for it; ``merge`` drops its rows).
     """
 
     chunks: List[Any]
     sizes: List[Union[int, tf.Tensor]]
     static: bool
+    padded: bool = False
 
     def __len__(self) -> int:
         return len(self.chunks)
 
     def nonempty(self, m: int) -> Optional[tf.Tensor]:
-        """A boolean tensor telling whether micro-batch ``m`` holds examples.
+        """A boolean tensor telling whether micro-batch ``m`` holds real examples.
 
         ``None`` when it is known while tracing to hold some.
         """
@@ -38,6 +43,29 @@ class Split:
         if isinstance(size, int):
             return None if size > 0 else tf.constant(False)
         return tf.greater(size, 0)
+
+    def select(self, index: int) -> "Split":
+        """The same cut of element ``index`` of every chunk (chunks are tuples)."""
+        return replace(self, chunks=[c[index] for c in self.chunks])
+
+    def merge(self, outputs: Sequence[Any], masks: Optional[Sequence[Any]] = None) -> Any:
+        """Concatenate per-micro-batch ``outputs`` (and their Keras ``masks``) in order,
+        keeping only real examples."""
+        if self.padded:
+            outputs = [self._real(out, n) for out, n in zip(outputs, self.sizes)]
+            if masks is not None:
+                masks = [self._real(m, n) for m, n in zip(masks, self.sizes)]
+        return merge(outputs, masks)
+
+    @staticmethod
+    def _real(structure: Any, n: Union[int, tf.Tensor]) -> Any:
+        return tf.nest.map_structure(lambda t: _head(t, n), structure)
+
+
+def _head(t: Any, n: Union[int, tf.Tensor]) -> Any:
+    if t is None or len(t.shape) == 0:  # merge() names the scalar problem
+        return t
+    return t[:n]
 
 
 def _batch_tensors(structure: Any) -> List[tf.Tensor]:
@@ -66,20 +94,41 @@ def check_batched(structure: Any) -> None:
     _batch_tensors(structure)
 
 
-def split(structure: Any, num_micro_batches: int, exact: bool = False) -> Split:
-    """Cut every tensor of ``structure`` into ``num_micro_batches`` pieces along axis 0.
+def _count(n: int, num_micro_batches: int, multiple_of: int) -> int:
+    """How many micro-batches a batch of ``n`` known examples is cut into."""
+    if n >= num_micro_batches:
+        return num_micro_batches
+    # Fewer micro-batches rather than empty ones; a schedule that needs a multiple of
+    # K gets the largest that has an example in each, else K (some padded).
+    return max(multiple_of, n - n % multiple_of)
+
+
+def split(structure: Any, num_micro_batches: int, multiple_of: int = 1) -> Split:
+    """Cut every tensor of ``structure`` into micro-batches along axis 0.
 
     The first ``n % M`` micro-batches get one example more than the others, as
-    ``numpy.array_split`` does. When the batch size is known while tracing, no
-    micro-batch is empty: a batch smaller than ``M`` gives fewer micro-batches.
-    When it is only known at run time (a ``None`` batch dimension inside
-    ``tf.function``, as in ``model.fit``), there are always ``M`` micro-batches
-    and the trailing ones may be empty; ``Split.nonempty`` tells the executor so
-    it can discard their side effects and gradients. With ``exact`` there are
-    always ``M`` micro-batches (a schedule fixed for M needs them), empty ones included.
+    ``numpy.array_split`` does. No layer should see an empty micro-batch that
+    the unsplit model would not have seen, so:
+
+    - when the batch size ``n`` is known while tracing and smaller than
+      ``M = num_micro_batches``, there are fewer micro-batches (``n``, rounded
+      down to a multiple of ``multiple_of``, at least ``multiple_of``);
+    - when it is only known at run time (a ``None`` batch dimension inside
+      ``tf.function``, as in ``model.fit``), the number of micro-batches must be
+      fixed while tracing: there are always ``M``, and one that gets no example
+      is given a copy of the batch's last example ("pad and discard").
+
+    A padded micro-batch has size 0 in ``Split.sizes``; ``Split.nonempty`` tells
+    the executor to discard its side effects and gradients, and ``Split.merge``
+    drops its outputs. An empty mini-batch (``n == 0``) stays empty: every
+    micro-batch is empty, as the unsplit model's batch would be.
     """
     if num_micro_batches < 1:
         raise ValueError(f"tf_gpipe: num_micro_batches must be >= 1, got {num_micro_batches}.")
+    if num_micro_batches % multiple_of:
+        raise ValueError(
+            f"tf_gpipe: num_micro_batches ({num_micro_batches}) must be a multiple of {multiple_of}."
+        )
     flat = tf.nest.flatten(structure)
     tensors = _batch_tensors(structure)
     tensors = [t if isinstance(t, (tf.Tensor, tf.SparseTensor)) else tf.convert_to_tensor(t) for t in tensors]
@@ -91,29 +140,37 @@ def split(structure: Any, num_micro_batches: int, exact: bool = False) -> Split:
             "every input tensor must have the same number of examples."
         )
     M = num_micro_batches
+    sizes: List[Union[int, tf.Tensor]]
     if known:
         n = known[0]
-        m_eff = M if exact else max(1, min(M, n))
-        base, rem = divmod(n, m_eff)
-        sizes: List[Union[int, tf.Tensor]] = [base + (1 if i < rem else 0) for i in range(m_eff)]
-        static = n > 0 and all(sizes)
-        if n == 0 and not exact:
-            sizes = [0]
-        pieces = [tf.split(t, sizes, axis=0) if len(sizes) > 1 else [t] for t in tensors]
+        count = _count(n, M, multiple_of)
+        base, rem = divmod(n, count)
+        sizes = [base + (1 if i < rem else 0) for i in range(count)]
+        static = all(sizes)
+        if static:
+            pieces = [tf.split(t, sizes, axis=0) if count > 1 else [t] for t in tensors]
+        else:  # n < multiple_of, or n == 0
+            stand_in = max(n - 1, 0)
+            pieces = [
+                [t[i : i + 1] if i < n else t[stand_in : stand_in + min(n, 1)] for i in range(count)]
+                for t in tensors
+            ]
     else:
         n = tf.shape(tensors[0], out_type=tf.int32)[0]
-        base = n // M
-        rem = n % M
-        size_vec = base + tf.cast(tf.range(M) < rem, tf.int32)
+        size_vec = n // M + tf.cast(tf.range(M) < n % M, tf.int32)
         sizes = [size_vec[i] for i in range(M)]
         static = False
-        pieces = [tf.split(t, size_vec, num=M, axis=0) for t in tensors]
+        # An empty micro-batch starts at n: it takes the last example instead
+        # (none when the whole batch is empty).
+        begins = tf.minimum(tf.cumsum(size_vec, exclusive=True), tf.maximum(n - 1, 0))
+        ends = begins + tf.where(n > 0, tf.maximum(size_vec, 1), 0)
+        pieces = [[t[begins[i] : ends[i]] for i in range(M)] for t in tensors]
     chunks = []
     for i in range(len(sizes)):
         it = iter(p[i] for p in pieces)
         chunk_flat = [None if t is None else next(it) for t in flat]
         chunks.append(tf.nest.pack_sequence_as(structure, chunk_flat))
-    return Split(chunks=chunks, sizes=sizes, static=static)
+    return Split(chunks=chunks, sizes=sizes, static=static, padded=not static)
 
 
 def _attach_mask(outputs: Any, mask: Any) -> Any:

@@ -93,9 +93,14 @@ class PipelineModel(keras.Model):
             or ``"params"``, ``"time"`` or ``"memory"`` to cut where the largest stage's
             cost is smallest (measured per layer on the input spec, so the layers must
             start with a ``keras.Input``; see ``tf_gpipe.balance``).
-        num_micro_batches: M, micro-batches per mini-batch. A batch smaller
-            than M gives fewer (never empty) micro-batches where its size is known
-            while tracing; elsewhere empty micro-batches are harmless.
+        num_micro_batches: M, micro-batches per mini-batch. No layer sees an
+            empty micro-batch: a batch smaller than M gives fewer micro-batches
+            where its size is known while tracing (for ``"interleaved"``, a
+            multiple of ``num_stages``); where it is only known at run time (the
+            last batch of ``fit``), each missing micro-batch runs on a copy of
+            one real example and everything it produces (outputs, loss,
+            gradients, variable updates) is discarded. An empty mini-batch
+            reaches the layers empty, as in the unsplit model.
         devices: one device string per stage. Default: visible GPUs, else
             logical CPUs, else ``CPU:0``, assigned round-robin.
         remat: ``"always"`` (re-materialize every stage), ``"except_last"`` (not
@@ -395,13 +400,12 @@ class PipelineModel(keras.Model):
     def _split(self, inputs: Any, mask: Any):
         main, side = self._separate(structure.to_tensors(inputs))
         joint = microbatch.split((main, mask, side), self.num_micro_batches)
-        xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
-        return xs, [c[1] for c in joint.chunks], [c[2] for c in joint.chunks]
+        return joint.select(0), [c[1] for c in joint.chunks], [c[2] for c in joint.chunks]
 
     def call(self, inputs: Any, training: Optional[bool] = None, mask: Any = None) -> Any:
         xs, masks, sides = self._split(inputs, mask)
         acts, out_masks, losses = self._pipeline.call(xs, masks, training, sides)
-        outputs = microbatch.merge(acts, out_masks)
+        outputs = xs.merge(acts, out_masks)
         for share, row in zip(trainer.shares(xs.sizes, structure.batch_size(inputs)), losses):
             for loss in row:
                 self.add_loss(loss * tf.cast(share, loss.dtype))

@@ -58,8 +58,9 @@ def train_step(model: Any, data: Any) -> dict:
         model._build_cells(structure.spec_from(x))
     exact = model.schedule != "gpipe"
     main, side = model._separate(x)
-    joint = microbatch.split((main, y, sample_weight, side), model.num_micro_batches, exact=exact)
-    xs = microbatch.Split([c[0] for c in joint.chunks], joint.sizes, joint.static)
+    multiple_of = model.num_stages if model.schedule == "interleaved" else 1
+    joint = microbatch.split((main, y, sample_weight, side), model.num_micro_batches, multiple_of)
+    xs = joint.select(0)
     plan = schedules.get(model.schedule, model.num_stages, len(xs), model.virtual_stages)
     trainable = model.trainable_weights
     opt = model.optimizer
@@ -76,7 +77,7 @@ def train_step(model: Any, data: Any) -> dict:
         watched = [t for f in flat for t in f if structure.is_float(t)]
         with tf.GradientTape() as tape:
             tape.watch(watched)
-            y_pred = microbatch.merge(outs, masks)
+            y_pred = joint.merge(outs, masks)
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
             scaled = loss if opt is None else opt.scale_loss(loss)
         state["loss"].append(loss)
@@ -98,8 +99,10 @@ def train_step(model: Any, data: Any) -> dict:
             if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
                 value = tf.reduce_sum(value)
             nonempty = joint.nonempty(m)
-            if nonempty is not None:  # the mean over an empty micro-batch is NaN
+            if nonempty is not None:  # a padded micro-batch's loss is not part of the batch's
                 value = tf.where(nonempty, value, tf.zeros_like(value))
+                if valid is not None:  # nor are its stand-in example's valid positions
+                    valid = tf.where(nonempty, valid, tf.zeros_like(valid))
             scaled = value if opt is None else opt.scale_loss(value)
         state["loss"].append(value)
         if valid is not None:
@@ -126,7 +129,7 @@ def train_step(model: Any, data: Any) -> dict:
         loss = loss * tf.cast(factor, loss.dtype)
     if deferred is not None:
         deferred.apply()
-    y_pred = microbatch.merge(outs, out_masks)
+    y_pred = joint.merge(outs, out_masks)
     if exact and model.losses:
         # Regularization terms read the weights directly: once per mini-batch.
         with tf.GradientTape() as tape:
