@@ -187,10 +187,16 @@ def measure_xla():
     _compile(seq, jit)
     _compile(plain, False)
     with tf.device("/device:GPU:0" if FLAGS.gpu else "/device:CPU:0"):
-        times = _alternate({"PipelineModel K=1 M=1": pipe, "keras.Sequential": seq, "Sequential jit=False": plain}, x, y)
+        times = _alternate(
+            {"PipelineModel K=1 M=1": pipe, "keras.Sequential": seq, "Sequential jit=False": plain}, x, y
+        )
     print(f"\n### XLA: jit_compile={jit!r} for both (Sequential jit=False for context)\n")
-    print(_common.md_table(["model", "median step (ms)", "ratio to Sequential (paired median)"],
-                           _ratio_rows(times, "keras.Sequential")))
+    print(
+        _common.md_table(
+            ["model", "median step (ms)", "ratio to Sequential (paired median)"],
+            _ratio_rows(times, "keras.Sequential"),
+        )
+    )
     return {"jit": str(jit), "times_s": times}
 
 
@@ -213,7 +219,9 @@ def _first_child(spec):
 def measure_first():
     specs = ["seq:0"] + [f"pipe:{m}" for m in FLAGS.micro_batches]
     results = {s: [] for s in specs}
-    flags_out = [f"--{n}={FLAGS[n].value}" for n in ("blocks", "width", "seq", "batch", "vocab", "jit", "stages")]
+    flags_out = [
+        f"--{n}={FLAGS[n].value}" for n in ("blocks", "width", "seq", "batch", "vocab", "jit", "stages")
+    ]
     for _ in range(FLAGS.repeats):
         for spec in specs:
             args = [sys.executable, os.path.abspath(__file__), f"--child={spec}", *flags_out]
@@ -230,11 +238,28 @@ def measure_first():
         first = statistics.median(r["first_s"] for r in results[spec])
         second = statistics.median(r["second_s"] for r in results[spec])
         name = "keras.Sequential" if spec == "seq:0" else f"PipelineModel K={FLAGS.stages} M={spec[5:]}"
-        rows.append([name, f"{first:.1f}", f"{first / seq_first:.2f}",
-                     "" if spec == "seq:0" else f"{first / m1:.2f}", f"{1e3 * second:.0f}"])
+        rows.append(
+            [
+                name,
+                f"{first:.1f}",
+                f"{first / seq_first:.2f}",
+                "" if spec == "seq:0" else f"{first / m1:.2f}",
+                f"{1e3 * second:.0f}",
+            ]
+        )
     print(f"\n### First train_on_batch (trace + compile + run), jit_compile={FLAGS.jit}\n")
-    print(_common.md_table(["model", "first step (s)", "vs Sequential", f"vs M={FLAGS.micro_batches[0]}",
-                            "second step (ms)"], rows))
+    print(
+        _common.md_table(
+            [
+                "model",
+                "first step (s)",
+                "vs Sequential",
+                f"vs M={FLAGS.micro_batches[0]}",
+                "second step (ms)",
+            ],
+            rows,
+        )
+    )
     return results
 
 
@@ -250,11 +275,21 @@ def measure_accum():
     _compile(pipe, jit)
     _compile(plain, jit)
     with tf.device(devices[0]):
-        times = _alternate({f"PipelineModel K={FLAGS.stages} M={FLAGS.accum_m}": pipe,
-                            f"Keras, {FLAGS.accum_m} micro-batches summed": plain}, x, y)
+        times = _alternate(
+            {
+                f"PipelineModel K={FLAGS.stages} M={FLAGS.accum_m}": pipe,
+                f"Keras, {FLAGS.accum_m} micro-batches summed": plain,
+            },
+            x,
+            y,
+        )
     print(f"\n### Steady step, jit_compile={jit!r}: the pipeline against plain micro-batching\n")
-    print(_common.md_table(["model", "median step (ms)", "ratio (paired median)"],
-                           _ratio_rows(times, f"Keras, {FLAGS.accum_m} micro-batches summed")))
+    print(
+        _common.md_table(
+            ["model", "median step (ms)", "ratio (paired median)"],
+            _ratio_rows(times, f"Keras, {FLAGS.accum_m} micro-batches summed"),
+        )
+    )
     return {"times_s": times}
 
 
