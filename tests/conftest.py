@@ -1,8 +1,18 @@
-"""Test setup: split the host CPU into logical devices before TensorFlow initializes."""
+"""Test setup: split the host CPU into logical devices before TensorFlow initializes.
+
+On a machine with GPUs the suite compares like with like: TF32 is off for the whole
+session (float32 matmuls on a GPU then round as on a CPU), and every test runs with
+``/CPU:0`` as its default device, so unsplit references run on the same kind of device
+as the stages the tests place on logical CPUs. Tests that leave ``devices=None`` put
+their stages wherever ``tf_gpipe.devices.default_devices`` says (GPUs when visible).
+"""
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The memory probes read the CPU allocator's peak (tf.config.experimental.get_memory_info),
+# which only the BFC allocator keeps; child processes inherit the setting.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import tensorflow as tf  # noqa: E402
 
@@ -14,6 +24,7 @@ def _configure() -> None:
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(NUM_DEVICES)]
     )
+    tf.config.experimental.enable_tensor_float_32_execution(False)
 
 
 _configure()
@@ -33,4 +44,5 @@ def _fresh_keras_state():
     # free_memory=False skips a full garbage collection (~0.3 s a test).
     keras.backend.clear_session(free_memory=False)
     keras.utils.set_random_seed(1234)
-    yield
+    with tf.device("/device:CPU:0"):
+        yield
