@@ -68,6 +68,7 @@ class Cell:
         self.index = index
         self.layers: List[keras.layers.Layer] = list(layers)
         self.device = device
+        self.jit_compile = False  # compile this stage's functions with XLA (PipelineModel.compile)
         self._batch_norms: Optional[list] = None
 
     @property

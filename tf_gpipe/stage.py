@@ -72,10 +72,10 @@ class StageFunctions:
         self._written: Dict[Tuple[Any, bool], List[Any]] = {}
         self._deferred_layers: Dict[Tuple[Any, bool], List[Any]] = {}
         self._n_losses: Dict[Tuple[Any, bool], int] = {}
-        self._forward = tf.function(self._forward_body, jit_compile=jit_compile, reduce_retracing=True)
-        self._backward = tf.function(self._backward_body, jit_compile=jit_compile, reduce_retracing=True)
+        self._forward = tf.function(self._forward_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False)
+        self._backward = tf.function(self._backward_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False)
         # Timeline markers are host callbacks, which XLA cannot compile.
-        self._backward_marked = tf.function(self._backward_body, jit_compile=False, reduce_retracing=True)
+        self._backward_marked = tf.function(self._backward_body, jit_compile=False, reduce_retracing=True, autograph=False)
 
     # ------------------------------------------------------------------ forward
     def forward(
