@@ -1,5 +1,7 @@
 """tf_gpipe.stage: each stage traced once whatever M; XLA stage by stage; exact replay under XLA."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -72,6 +74,33 @@ def test_call_under_tape_reuses_the_traces():
             first = _traces(pm)
     assert _traces(pm) == first
     assert all(t["backward"] >= 1 for t in first)
+
+
+def _step_functions(M, remat):
+    """Names of the functions the training step's graph holds (its bodies), and its op count."""
+    keras.backend.clear_session()
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=M, remat=remat)
+    pm.compile(optimizer="sgd", loss=LOSS)
+    pm.build((None, 8))
+    pm.optimizer.build(pm.trainable_variables)
+    step = tf.function(pm.train_step)
+    graph = step.get_concrete_function(
+        (tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([None], tf.int64))
+    ).graph.as_graph_def()
+    names = [re.sub(r"(_\d+)+$", "", f.signature.name) for f in graph.library.function]
+    return sorted(names), len(graph.node)
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_step_graph_holds_stage_bodies_once(remat):
+    """The step's graph holds the same function bodies for M=2 and M=8 (O(K), not O(K x M)):
+    without re-materialization too, where TensorFlow derives the backward of each stage's
+    forward function once, not per call. Only the calls grow with M."""
+    bodies_2, nodes_2 = _step_functions(2, remat)
+    bodies_8, nodes_8 = _step_functions(8, remat)
+    assert bodies_2 == bodies_8
+    assert sum("forward_body" in name for name in bodies_8) >= 2  # the stages are functions
+    assert nodes_8 > nodes_2
 
 
 def test_trace_counter_counts():
