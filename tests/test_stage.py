@@ -42,7 +42,9 @@ def test_stage_traced_at_most_twice_and_not_per_micro_batch(schedule):
     x, y = data(10)
     for M in (3, 8):
         keras.backend.clear_session()
-        pm = tf_gpipe.PipelineModel(_dropout_bn_layers(), num_stages=2, num_micro_batches=M, schedule=schedule)
+        pm = tf_gpipe.PipelineModel(
+            _dropout_bn_layers(), num_stages=2, num_micro_batches=M, schedule=schedule
+        )
         pm.compile(optimizer="sgd", loss=LOSS)
         pm.train_on_batch(x, y)
         pm.train_on_batch(x, y)

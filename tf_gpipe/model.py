@@ -460,7 +460,8 @@ class PipelineModel(keras.Model):
                 for c in refused
             )
             warnings.warn(
-                f"tf_gpipe: jit_compile=True, but some layers do not support XLA ({names or 'op determinism is on'}); "
+                "tf_gpipe: jit_compile=True, but some layers do not support XLA "
+                f"({names or 'op determinism is on'}); "
                 "those stages run without XLA, the others with it.",
                 stacklevel=3,
             )

@@ -30,9 +30,7 @@ __all__ = ["StageFunctions", "functions", "stage_supports_jit"]
 
 def stage_supports_jit(cell: Cell) -> bool:
     """Whether every layer of ``cell`` (nested ones included) allows XLA, as Keras asks of a model."""
-    return all(
-        getattr(sub, "supports_jit", True) for layer in cell.layers for sub in layer._flatten_layers()
-    )
+    return all(getattr(sub, "supports_jit", True) for layer in cell.layers for sub in layer._flatten_layers())
 
 
 def functions(cell: Cell) -> "StageFunctions":
@@ -72,10 +70,13 @@ class StageFunctions:
         self._written: Dict[Tuple[Any, bool], List[Any]] = {}
         self._deferred_layers: Dict[Tuple[Any, bool], List[Any]] = {}
         self._n_losses: Dict[Tuple[Any, bool], int] = {}
-        self._forward = tf.function(self._forward_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False)
-        self._backward = tf.function(self._backward_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False)
+        # Keras' own step functions skip autograph too; reduce_retracing lets the smaller
+        # micro-batches of an uneven split share one trace.
+        options = dict(reduce_retracing=True, autograph=False)
+        self._forward = tf.function(self._forward_body, jit_compile=jit_compile, **options)
+        self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
         # Timeline markers are host callbacks, which XLA cannot compile.
-        self._backward_marked = tf.function(self._backward_body, jit_compile=False, reduce_retracing=True, autograph=False)
+        self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
 
     # ------------------------------------------------------------------ forward
     def forward(
