@@ -1,6 +1,8 @@
 """tf_gpipe.stage: each stage traced once whatever M; XLA stage by stage; exact replay under XLA."""
 
 import re
+import time
+import warnings
 
 import keras
 import numpy as np
@@ -9,7 +11,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
-from tf_gpipe import stage
+from tf_gpipe import checkpoint, stage
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -175,6 +177,23 @@ def test_jit_compile_true_skips_a_stage_whose_layer_refuses_xla():
     assert _compiled_with_xla(pm) == [True, False]
 
 
+def test_jit_compile_auto_compiles_where_keras_would(monkeypatch):
+    """With a GPU visible, "auto" compiles every stage whose layers all allow XLA,
+    silently skipping the others, as Keras' "auto" does for a model."""
+    real = tf.config.list_physical_devices
+    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+
+    def with_gpu(device_type=None):
+        return real(device_type) + ([gpu] if device_type in (None, "GPU") else [])
+
+    monkeypatch.setattr(tf.config, "list_physical_devices", with_gpu)
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=1) + [_NoXla()], num_stages=2, num_micro_batches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pm.compile(optimizer="sgd", loss=LOSS)  # jit_compile="auto"
+    assert pm.stage_jit == [True, False]
+
+
 def test_jit_compile_bad_value():
     pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2)
     with pytest.raises(ValueError, match="jit_compile must be 'auto', True or False"):
@@ -211,3 +230,49 @@ def test_exact_replay_under_xla(schedule):
     assert_all_close(results[0], results[1], rtol=1e-5, atol=1e-6)
     moving = [w for w in pm.non_trainable_weights if "moving_mean" in w.path]
     assert moving and not np.allclose(moving[0].numpy(), 0.0)
+
+
+# ---------------------------------------------------------------- the replay waits for its gradient
+
+_EVENTS: list = []
+
+
+class _StampReplay(keras.layers.Layer):
+    """Logs the time its replay runs (a host callback fed by the layer's input)."""
+
+    def call(self, x):
+        if tf_gpipe.is_recomputing():
+            stamp = tf.py_function(
+                lambda a: _EVENTS.append(("replay", time.perf_counter())) or 0.0, [x], tf.float32
+            )
+            with tf.control_dependencies([stamp]):
+                return tf.identity(x)
+        return x
+
+
+def test_replay_waits_for_the_output_gradient():
+    """Inside the backward function the recomputation starts only once the gradient of the
+    stage's output has arrived: started earlier, it would hold the stage's activations from
+    the forward pass on, and re-materialization would save no memory."""
+    _EVENTS.clear()
+    keras.utils.set_random_seed(0)
+    pm = tf_gpipe.PipelineModel([keras.layers.Dense(4), _StampReplay()], num_stages=1)
+    pm.build((None, 3))
+    cell = pm.cells[0]
+
+    def slow_gradient(out):
+        time.sleep(0.3)  # plenty of time for a replay that does not wait to run first
+        _EVENTS.append(("gradient", time.perf_counter()))
+        return tf.ones_like(out)
+
+    @tf.function
+    def step(x):
+        record = checkpoint.forward(cell, x, None, True, remat=True)
+        dy = tf.py_function(slow_gradient, [record.outputs], tf.float32)
+        dy.set_shape(record.outputs.shape)
+        _, grads = checkpoint.backward(cell, record, [dy], [], True, cell.trainable_variables)
+        return grads
+
+    grads = step(tf.ones((2, 3)))
+    assert all(g is not None for g in grads)
+    assert [name for name, _ in sorted(_EVENTS, key=lambda e: e[1])] == ["gradient", "replay"]
