@@ -149,6 +149,26 @@ def test_jit_compile_true_matches_sequential(schedule):
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
 
 
+def test_jit_compile_true_masks_and_sparse_gradients_match_sequential():
+    """Keras masks cross the function boundary explicitly (Embedding(mask_zero) -> LSTM on
+    the next stage), and an Embedding's sparse gradient leaves an XLA stage function."""
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return [keras.layers.Embedding(20, 8, mask_zero=True), keras.layers.LSTM(8), keras.layers.Dense(3)]
+
+    seq, pm = pair(make, (None, 6), input_dtype="int32", balance=[1, 2], num_micro_batches=3)
+    rng = np.random.RandomState(0)
+    x = rng.randint(1, 20, (10, 6)).astype("int32")
+    x[:, 4:] = 0
+    y = rng.randint(0, 3, 10)
+    for model, jit in ((seq, False), (pm, True)):
+        model.compile(optimizer="adam", loss=LOSS, jit_compile=jit)
+        model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert _compiled_with_xla(pm) == [True, True]
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
 def test_jit_compile_auto_off_on_cpu_and_false_never():
     for jit in ("auto", False):
         pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=2)
