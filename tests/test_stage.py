@@ -119,6 +119,21 @@ def test_trace_counter_counts():
     assert [t["forward"] for t in _traces(pm)] == [t["forward"] + 1 for t in once]
 
 
+def test_stage_outputs_carry_their_keras_mask():
+    """A Keras mask does not leave a function on its tensor: the stage's outputs get it back,
+    so whatever reads them (the next stage, a loss) sees the mask as in keras.Sequential."""
+    keras.utils.set_random_seed(0)
+    pm = tf_gpipe.PipelineModel(
+        [keras.layers.Embedding(20, 4, mask_zero=True), keras.layers.Dense(3)], num_stages=2
+    )
+    x = tf.constant([[3, 5, 0], [7, 0, 0]])
+    pm(x)
+    record = checkpoint.forward(pm.cells[0], x, None, True, remat=True)
+    mask = keras.src.backend.get_keras_mask(record.outputs)
+    assert mask is not None and np.array_equal(mask.numpy(), x.numpy() != 0)
+    assert np.array_equal(record.out_mask.numpy(), x.numpy() != 0)
+
+
 # ---------------------------------------------------------------- XLA per stage
 
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_gpipe import checkpoint
 from tf_gpipe.batchnorm import DeferredStats
-from tf_gpipe.cell import Cell
+from tf_gpipe.cell import Cell, _attach_mask
 
 __all__ = ["StageFunctions", "functions", "stage_supports_jit"]
 
@@ -96,6 +96,10 @@ class StageFunctions:
         if defer:
             for bn, sums in zip(self._deferred_layers[(training, defer)], moments):
                 deferred.add_sums(bn, sums)
+        if out_mask is not None:
+            # A Keras mask does not leave a function on its tensor; a loss or a layer
+            # reading the outputs expects it there, as after keras.Sequential's last layer.
+            _attach_mask(outputs, out_mask)
         return outputs, out_mask, list(losses), list(before)
 
     def _forward_body(self, inputs, mask, side, nonempty, training, defer):
