@@ -426,46 +426,10 @@ class PipelineModel(keras.Model):
             raise ValueError(f"tf_gpipe: jit_compile must be 'auto', True or False, got {jit_compile!r}.")
         super().compile(*args, jit_compile=False, **kwargs)
         self._compile_config.config["jit_compile"] = jit_compile
-        self._set_stage_jit(jit_compile, bool(kwargs.get("run_eagerly")))
+        from tf_gpipe.stage import choose_jit
+
+        self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
         trainer.colocate_slots(self.optimizer)
-
-    def _set_stage_jit(self, jit_compile: Any, run_eagerly: bool) -> None:
-        from tensorflow.python.framework.config import is_op_determinism_enabled
-
-        from tf_gpipe.stage import stage_supports_jit
-
-        accelerator = any(d.device_type not in ("CPU",) for d in tf.config.list_physical_devices())
-        choices, refused = [], []
-        for cell in self._pipeline.cells:
-            allowed = stage_supports_jit(cell) and not is_op_determinism_enabled()
-            if jit_compile is True and not allowed:
-                refused.append(cell)
-            if run_eagerly or jit_compile is False:
-                choice = False
-            elif jit_compile == "auto":
-                choice = accelerator and allowed
-            else:
-                choice = allowed
-            cell.jit_compile = choice
-            choices.append(choice)
-        if refused:
-            names = "; ".join(
-                f"stage {c.index}: "
-                + ", ".join(
-                    sub.name
-                    for layer in c.layers
-                    for sub in layer._flatten_layers()
-                    if not getattr(sub, "supports_jit", True)
-                )
-                for c in refused
-            )
-            warnings.warn(
-                "tf_gpipe: jit_compile=True, but some layers do not support XLA "
-                f"({names or 'op determinism is on'}); "
-                "those stages run without XLA, the others with it.",
-                stacklevel=3,
-            )
-        self.stage_jit = choices
 
     def compile_from_config(self, config: dict) -> None:
         """Re-compile a loaded model (``keras.models.load_model``) as it was saved."""

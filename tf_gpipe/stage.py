@@ -17,6 +17,7 @@ so it draws the same dropout masks and changes nothing.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -25,12 +26,54 @@ from tf_gpipe import checkpoint
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, _attach_mask
 
-__all__ = ["StageFunctions", "functions", "stage_supports_jit"]
+__all__ = ["StageFunctions", "choose_jit", "functions", "stage_supports_jit"]
 
 
 def stage_supports_jit(cell: Cell) -> bool:
     """Whether every layer of ``cell`` (nested ones included) allows XLA, as Keras asks of a model."""
     return all(getattr(sub, "supports_jit", True) for layer in cell.layers for sub in layer._flatten_layers())
+
+
+def choose_jit(cells: List[Cell], jit_compile: Any, run_eagerly: bool = False) -> List[bool]:
+    """Decide, stage by stage, what ``compile(jit_compile=...)`` means; set ``cell.jit_compile``.
+
+    ``"auto"``: XLA where Keras would compile a model (a GPU or TPU is visible, every
+    layer allows it, op determinism is off). ``True``: every stage that allows it,
+    with a warning naming the layers of any that does not. ``False``: none.
+    """
+    from tensorflow.python.framework.config import is_op_determinism_enabled
+
+    accelerator = any(d.device_type != "CPU" for d in tf.config.list_physical_devices())
+    deterministic = is_op_determinism_enabled()
+    choices, refused = [], []
+    for cell in cells:
+        allowed = stage_supports_jit(cell) and not deterministic
+        if jit_compile is True and not allowed:
+            refused.append(cell)
+        if run_eagerly or jit_compile is False:
+            choice = False
+        elif jit_compile == "auto":
+            choice = accelerator and allowed
+        else:
+            choice = allowed
+        cell.jit_compile = choice
+        choices.append(choice)
+    if refused:
+        reasons = []
+        for cell in refused:
+            names = [
+                sub.name
+                for layer in cell.layers
+                for sub in layer._flatten_layers()
+                if not getattr(sub, "supports_jit", True)
+            ]
+            reasons.append(f"stage {cell.index}: " + (", ".join(names) or "op determinism is on"))
+        warnings.warn(
+            f"tf_gpipe: jit_compile=True, but some stages cannot use XLA ({'; '.join(reasons)}); "
+            "they run without it, the other stages with it.",
+            stacklevel=3,
+        )
+    return choices
 
 
 def functions(cell: Cell) -> "StageFunctions":
@@ -69,7 +112,6 @@ class StageFunctions:
         # Per (training, deferred): the variables the forward writes, found while tracing.
         self._written: Dict[Tuple[Any, bool], List[Any]] = {}
         self._deferred_layers: Dict[Tuple[Any, bool], List[Any]] = {}
-        self._n_losses: Dict[Tuple[Any, bool], int] = {}
         # Keras' own step functions skip autograph too; reduce_retracing lets the smaller
         # micro-batches of an uneven split share one trace.
         options = dict(reduce_retracing=True, autograph=False)
@@ -123,7 +165,6 @@ class StageFunctions:
             recorded = local.sums() if bns else []
         self._remember(self._written, key, written, "variables it writes")
         self._remember(self._deferred_layers, key, [bn for bn, _ in recorded], "BatchNormalization layers")
-        self._n_losses[key] = len(scope.losses)
         return outputs, out_mask, list(scope.losses), before, [sums for _, sums in recorded]
 
     def _remember(self, table: dict, key: Any, found: list, what: str) -> None:
