@@ -229,6 +229,28 @@ def test_jit_compile_auto_compiles_where_keras_would(monkeypatch):
     assert pm.stage_jit == [True, False]
 
 
+class _SeesEager(keras.layers.Layer):
+    modes: list = []
+
+    def call(self, x):
+        _SeesEager.modes.append(tf.executing_eagerly())
+        return x
+
+
+def test_run_eagerly_runs_the_stages_op_by_op():
+    """compile(run_eagerly=True) runs every stage's layers eagerly, as Keras does, and trains
+    as keras.Sequential does."""
+    _SeesEager.modes = []
+    seq, pm = pair(lambda: mlp_layers(depth=2), (None, 8), num_stages=2, num_micro_batches=4)
+    pm.cells[1].layers.insert(0, _SeesEager())
+    x, y = data(10)
+    for model in (seq, pm):
+        model.compile(optimizer="sgd", loss=LOSS, run_eagerly=True, jit_compile=False)
+        model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert _SeesEager.modes and all(_SeesEager.modes)
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
 def test_jit_compile_bad_value():
     pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2)
     with pytest.raises(ValueError, match="jit_compile must be 'auto', True or False"):

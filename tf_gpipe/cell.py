@@ -69,6 +69,7 @@ class Cell:
         self.layers: List[keras.layers.Layer] = list(layers)
         self.device = device
         self.jit_compile = False  # compile this stage's functions with XLA (PipelineModel.compile)
+        self.run_eagerly = False  # run its layers op by op (compile(run_eagerly=True))
         self._batch_norms: Optional[list] = None
 
     @property

@@ -57,6 +57,7 @@ def choose_jit(cells: List[Cell], jit_compile: Any, run_eagerly: bool = False) -
         else:
             choice = allowed
         cell.jit_compile = choice
+        cell.run_eagerly = run_eagerly
         choices.append(choice)
     if refused:
         reasons = []
@@ -80,8 +81,9 @@ def functions(cell: Cell) -> "StageFunctions":
     """The stage functions of ``cell``, made on first use and remade when its XLA choice changes."""
     fns = getattr(cell, "_stage_functions", None)
     jit = bool(getattr(cell, "jit_compile", False))
-    if fns is None or fns.jit_compile != jit:
-        fns = StageFunctions(cell, jit)
+    eager = bool(getattr(cell, "run_eagerly", False))
+    if fns is None or (fns.jit_compile, fns.eager) != (jit, eager):
+        fns = StageFunctions(cell, jit, eager)
         cell._stage_functions = fns
     return fns
 
@@ -100,14 +102,16 @@ class StageFunctions:
     Args:
         cell: the stage.
         jit_compile: compile both functions with XLA.
+        eager: run the Python bodies directly, not as functions (``run_eagerly``).
 
     ``traces`` counts how often each Python body was traced (a test checks that
     it does not grow with the number of micro-batches).
     """
 
-    def __init__(self, cell: Cell, jit_compile: bool = False):
+    def __init__(self, cell: Cell, jit_compile: bool = False, eager: bool = False):
         self.cell = cell
         self.jit_compile = jit_compile
+        self.eager = eager
         self.traces: Dict[str, int] = {"forward": 0, "backward": 0}
         # Per (training, deferred): the variables the forward writes, found while tracing.
         self._written: Dict[Tuple[Any, bool], List[Any]] = {}
@@ -119,6 +123,9 @@ class StageFunctions:
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
         # Timeline markers are host callbacks, which XLA cannot compile.
         self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
+        if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
+            self._forward = self._forward_body
+            self._backward = self._backward_marked = self._backward_body
 
     # ------------------------------------------------------------------ forward
     def forward(
