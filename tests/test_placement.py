@@ -163,24 +163,27 @@ def test_variables_on_stage_devices_after_loading(tmp_path, how):
     _assert_stage_variables_placed(clone)
 
 
-# ---------------------------------------------------------------- XLA stays off
+# ---------------------------------------------------------------- XLA stage by stage
 
 
-def test_jit_compile_true_is_refused_with_warning():
+def test_jit_compile_true_compiles_each_stage_not_the_step():
     model = _model()
-    with pytest.warns(UserWarning, match=r"jit_compile=True would let XLA fuse all stages"):
-        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    # The step around the stages stays uncompiled: one XLA cluster would span every device.
     assert model.jit_compile is False
+    assert model.stage_jit == [True, True, True]
     x, y = _data(8)
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # still trains
-    assert model.jit_compile is False
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    _assert_stage_variables_placed(model)
 
 
-def test_jit_compile_auto_is_off():
+def test_jit_compile_auto_is_off_on_cpu():
     model = _model()
     model.compile(optimizer="sgd", loss="mse")
     assert model.jit_compile is False
     assert model.supports_jit is False
+    assert model.stage_jit == [False, False, False]  # "auto": XLA only with a GPU or TPU
 
 
 def test_outer_functional_model_does_not_support_jit():
@@ -237,6 +240,7 @@ _FIT_SCRIPT = textwrap.dedent(
         result[tag] = {
             "devices": model.devices,
             "jit_compile": model.jit_compile,
+            "stage_jit": model.stage_jit,
             "iterations": int(model.optimizer.iterations.numpy()),
         }
     print("RESULT " + json.dumps(result), flush=True)
@@ -304,7 +308,8 @@ def _stage_ops(fit_placement_log, tag, expected_devices):
     result, sections = fit_placement_log
     info = result[tag]
     assert info["devices"] == expected_devices
-    assert info["jit_compile"] is False
+    assert info["jit_compile"] is False  # never the whole step: that cluster would span devices
+    assert info["stage_jit"] == [tag == "jit"] * 3
     assert info["iterations"] == 2  # fit really ran its two steps
     placements = sections.get(tag)
     assert placements, f"no placement log for {tag!r}; sections: {list(sections)}"
@@ -331,9 +336,15 @@ def test_compute_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, exp
         if not _same_device(device, expected_devices[k])
     ]
     assert misplaced == [], misplaced[:20]
+    expected = {(k, m, b) for k in range(3) for m in range(2) for b in (False, True)}
+    if tag == "jit":
+        # Each stage function is one XLA cluster: the placer sees one call per stage,
+        # micro-batch and direction, on the stage's device (its ops are XLA's).
+        calls = {(k, m, b) for k, m, b, _, op, _ in compute if op.endswith("PartitionedCall")}
+        assert expected <= calls, sorted(expected - calls)
+        return
     # Every stage ran its forward and its backward on every micro-batch: the parser found them.
     seen_matmul = {(k, m, b) for k, m, b, _, op, _ in compute if op in ("MatMul", "_MklMatMul")}
-    expected = {(k, m, b) for k in range(3) for m in range(2) for b in (False, True)}
     assert expected <= seen_matmul, sorted(expected - seen_matmul)
     seen_ops = {op for *_, op, _ in compute}
     assert {"BiasAdd", "BiasAddGrad", "Relu", "ReluGrad", "ReadVariableOp"} <= seen_ops
@@ -342,7 +353,7 @@ def test_compute_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, exp
 @_FIT_CONFIGS
 def test_all_stage_scope_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, expected_devices):
     ops = _stage_ops(fit_placement_log, tag, expected_devices)
-    assert len(ops) >= 3 * 2 * 2 * 3
+    assert len(ops) >= 3 * 2 * 2 * (1 if tag == "jit" else 3)
     misplaced = [
         (node, op, device, expected_devices[k])
         for k, m, backward, node, op, device in ops

@@ -92,13 +92,24 @@ class DeferredStats:
         # zero count) adds nothing.
         n_mean = tf.where(count > 0, count * mean, tf.zeros_like(mean))
         n_square = tf.where(count > 0, count * (variance + tf.square(mean)), tf.zeros_like(mean))
+        self.add_sums(bn, [count, n_mean, n_square])
+
+    def add_sums(self, bn: keras.layers.BatchNormalization, sums: Sequence[tf.Tensor]) -> None:
+        """Pool ``[n, n*mean, n*(variance + mean^2)]`` of some examples into ``bn``'s totals."""
         key = id(bn)
         self._layers[key] = bn
         if key in self._sums:
-            total = self._sums[key]
-            self._sums[key] = [total[0] + count, total[1] + n_mean, total[2] + n_square]
+            self._sums[key] = [a + b for a, b in zip(self._sums[key], sums)]
         else:
-            self._sums[key] = [count, n_mean, n_square]
+            self._sums[key] = list(sums)
+
+    def sums(self) -> List[tuple]:
+        """``(layer, [n, n*mean, n*(variance + mean^2)])`` per layer recorded so far.
+
+        A stage function returns these for its micro-batch, so that the moments
+        leave the function as outputs and are pooled outside it.
+        """
+        return [(self._layers[key], list(sums)) for key, sums in self._sums.items()]
 
     def apply(self) -> None:
         """Move each layer's statistics once, from the pooled moments."""

@@ -68,6 +68,8 @@ class Cell:
         self.index = index
         self.layers: List[keras.layers.Layer] = list(layers)
         self.device = device
+        self.jit_compile = False  # compile this stage's functions with XLA (PipelineModel.compile)
+        self.run_eagerly = False  # run its layers op by op (compile(run_eagerly=True))
         self._batch_norms: Optional[list] = None
 
     @property

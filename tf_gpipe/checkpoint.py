@@ -85,33 +85,9 @@ class Record:
     tape: Optional[tf.GradientTape] = None  # set when the cell is not re-materialized
     nonempty: Optional[tf.Tensor] = None
     side: Optional[dict] = None  # side inputs of this micro-batch (not differentiated)
-
-
-def _run(
-    cell: Cell, inputs: Any, mask: Any, training: Optional[bool], nonempty, deferred=None, side=None
-) -> Record:
-    bns = cell.batch_norms if (deferred is not None and training) else []
-    with _RecordingScope() as scope:
-        with deferred.capture(bns, nonempty) if bns else contextlib.nullcontext():
-            outputs, out_mask = cell.call(inputs, mask, training, side)
-    skipped = deferred.skipped_variables(bns) if bns else set()
-    written = [v for k, v in scope.written.items() if k not in skipped]
-    before = [_read(v) for v in written]
-    for v, old in zip(written, before):
-        new = scope.get_current_value(v)
-        if nonempty is not None:  # an empty micro-batch (e.g. NaN batch statistics) changes nothing
-            new = tf.where(nonempty, new, old)
-        v.assign(new)
-    return Record(
-        inputs=inputs,
-        mask=mask,
-        outputs=outputs,
-        out_mask=out_mask,
-        losses=list(scope.losses),
-        replay_state=list(zip(written, before)),
-        nonempty=nonempty,
-        side=side,
-    )
+    before: List[tf.Tensor] = field(default_factory=list)  # written variables' values, for the replay
+    training: Optional[bool] = None
+    deferred: bool = False
 
 
 def forward(
@@ -126,20 +102,39 @@ def forward(
 ) -> Record:
     """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
 
-    With ``remat`` the intermediate activations are dropped and the backward pass
-    replays the cell; without it a tape keeps them. With ``deferred`` (a
-    ``batchnorm.DeferredStats``) BatchNormalization moments are pooled there
-    instead of moving the statistics now.
+    The cell runs as its stage's forward function (``tf_gpipe.stage``), traced
+    once. With ``remat`` the intermediate activations are dropped and the
+    backward pass replays the cell; without it a tape keeps them. With
+    ``deferred`` (a ``batchnorm.DeferredStats``) BatchNormalization moments are
+    pooled there instead of moving the statistics now.
     """
+    from tf_gpipe import stage
+
+    fns = stage.functions(cell)
     with tf.device(cell.device):
+        tape = None
         if remat:
-            return _run(cell, inputs, mask, training, nonempty, deferred, side)
-        tape = tf.GradientTape()
-        with tape:
-            tape.watch(_float_tensors(inputs))
-            record = _run(cell, inputs, mask, training, nonempty, deferred, side)
-        record.tape = tape
-        return record
+            outputs, out_mask, losses, before = fns.forward(inputs, mask, side, nonempty, training, deferred)
+        else:
+            tape = tf.GradientTape()
+            with tape:
+                tape.watch(_float_tensors(inputs))
+                outputs, out_mask, losses, before = fns.forward(
+                    inputs, mask, side, nonempty, training, deferred
+                )
+    return Record(
+        inputs=inputs,
+        mask=mask,
+        outputs=outputs,
+        out_mask=out_mask,
+        losses=losses,
+        tape=tape,
+        nonempty=nonempty,
+        side=side,
+        before=before,
+        training=training,
+        deferred=deferred is not None,
+    )
 
 
 def _float_tensors(structure: Any) -> List[tf.Tensor]:
@@ -181,49 +176,41 @@ def backward(
     ``output_grads`` follow ``tf.nest.flatten(record.outputs)``; ``loss_grads``
     follow ``record.losses``. Returns ``(input_grads, variable_grads)`` with
     input grads in the order of ``tf.nest.flatten(record.inputs)`` (None for
-    non-float inputs). ``tracer``, a ``(Recorder, device, tag)`` triple, marks the
-    end of the recomputation on a timeline.
+    non-float inputs). A re-materialized cell runs its stage's backward function
+    (replay and gradients in one function, traced once). ``tracer``, a
+    ``(Recorder, device, tag)`` triple, marks the end of the recomputation on a
+    timeline.
     """
+    if record.tape is None:
+        from tf_gpipe import stage
+
+        in_grads, cell_grads = stage.functions(cell).backward(
+            record.inputs,
+            record.mask,
+            record.side,
+            record.before,
+            list(output_grads),
+            list(loss_grads),
+            record.nonempty,
+            training,
+            record.deferred,
+            need_input_grads,
+            tracer,
+        )
+        by_id = {}
+        for v, g in zip(cell.trainable_variables, cell_grads):
+            by_id[id(v)] = g
+            by_id[id(getattr(v, "_value", v))] = g
+        return in_grads, [by_id.get(id(v)) for v in variables]
     flat_in = tf.nest.flatten(record.inputs)
     float_pos = [
         i
         for i, t in enumerate(flat_in)
         if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
     ]
-    arrived = [g for g in list(output_grads) + list(loss_grads) if g is not None]
     with tf.device(cell.device):
-        if record.tape is None:
-            # The recomputation waits for the incoming gradient: run earlier, it would
-            # hold this cell's activations for the whole forward pass and save nothing.
-            with tf.control_dependencies(arrived):
-                replay_in = [tf.identity(flat_in[i]) for i in float_pos]
-            swapped = list(flat_in)
-            for i, t in zip(float_pos, replay_in):
-                swapped[i] = t
-            replay_record = Record(
-                inputs=tf.nest.pack_sequence_as(record.inputs, swapped),
-                mask=record.mask,
-                outputs=None,
-                out_mask=None,
-                losses=[],
-                replay_state=record.replay_state,
-                side=record.side,
-            )
-            tape = tf.GradientTape()
-            with tape:
-                tape.watch(replay_in)
-                outputs, losses = _replay(cell, replay_record, training)
-            sources_in = replay_in
-            if tracer is not None:
-                recorder, device, tag = tracer
-                done = [t for t in tf.nest.flatten(outputs) + list(losses) if t is not None]
-                marker = recorder.marker("replayed " + tag, device, done)
-                with tf.control_dependencies([marker]):
-                    output_grads = [None if g is None else tf.identity(g) for g in output_grads]
-                    loss_grads = [None if g is None else tf.identity(g) for g in loss_grads]
-        else:
-            tape, outputs, losses = record.tape, record.outputs, record.losses
-            sources_in = [flat_in[i] for i in float_pos]
+        tape, outputs, losses = record.tape, record.outputs, record.losses
+        sources_in = [flat_in[i] for i in float_pos]
         targets, grads = [], []
         for t, g in zip(list(tf.nest.flatten(outputs)) + list(losses), list(output_grads) + list(loss_grads)):
             if g is not None and t is not None:

@@ -51,12 +51,18 @@ def _after(deps: Sequence[Any], structure: Any) -> Any:
 
 
 def _done(*structures: Any) -> List[tf.Tensor]:
+    """Tensors that are ready once every tensor of ``structures`` is computed.
+
+    Each is read through an Identity: a control dependency on a stage function's
+    output would, once TensorFlow inlines the function, wait only for the
+    function's side effects, not for its outputs.
+    """
     out = []
     for s in structures:
         for t in tf.nest.flatten(s):
             if t is None:
                 continue
-            out.append(t.values if isinstance(t, tf.IndexedSlices) else t)
+            out.append(tf.identity(t.values if isinstance(t, tf.IndexedSlices) else t))
     return out
 
 
@@ -135,7 +141,8 @@ def run_schedule(
                 )
             records[(s, m)] = rec
             cell_losses[m].extend(rec.losses)
-            last[d] = mark("end " + tag, d, _done(rec.outputs))
+            with tf.device(cell.device):
+                last[d] = mark("end " + tag, d, _done(rec.outputs))
             if s == S - 1:
                 outputs[m], out_masks[m] = rec.outputs, rec.out_mask
                 if micro_loss is not None:
@@ -181,5 +188,6 @@ def run_schedule(
             # gradients: otherwise Grappler folds the chain of adds into one AddN over
             # every micro-batch, which keeps M copies of the weight gradients alive.
             sums = [totals[id(v)] for v, g in zip(variables, var_grads) if g is not None]
-            last[d] = mark("end " + tag, d, _done(in_grads, sums))
+            with tf.device(cell.device):
+                last[d] = mark("end " + tag, d, _done(in_grads, sums))
     return outputs, out_masks, totals, cell_losses

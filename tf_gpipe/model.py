@@ -234,8 +234,10 @@ class PipelineModel(keras.Model):
         self._tracer = None
         self._source_model = None  # set by from_model
         self._node_balance = None
-        # XLA would fuse every stage into one cluster on one device: keep it off.
+        # XLA over the whole model would fuse every stage into one cluster on one device:
+        # compile(jit_compile=...) compiles stage by stage instead (stage_jit).
         self.supports_jit = False
+        self.stage_jit = [False] * len(groups)
         # Like keras.Sequential: inputs reach the first layer in their own dtype (no cast
         # to this model's policy), so float64 or int inputs stay as they are.
         self._convert_input_args = False
@@ -412,16 +414,23 @@ class PipelineModel(keras.Model):
         return outputs
 
     def compile(self, *args: Any, jit_compile: Any = "auto", **kwargs: Any) -> None:
-        """As ``keras.Model.compile``; XLA stays off because it ignores stage placement."""
-        if jit_compile is True:
-            warnings.warn(
-                "tf_gpipe: jit_compile=True would let XLA fuse all stages onto one device; "
-                "PipelineModel compiles with jit_compile=False. Use jit_compile inside a layer "
-                "(e.g. a tf.function(jit_compile=True) in its call) to compile one stage.",
-                stacklevel=2,
-            )
+        """As ``keras.Model.compile``, with ``jit_compile`` applied stage by stage.
+
+        ``"auto"`` compiles a stage with XLA where Keras would compile a model (a
+        GPU or TPU is visible and every layer of the stage allows it), ``True``
+        compiles every stage that allows it (warning about any that does not),
+        ``False`` none. Each stage is its own XLA cluster on its own device; the
+        training step around them (schedule, loss, optimizer) is not compiled,
+        since one cluster would run every stage on one device. The choice per
+        stage is in ``stage_jit``.
+        """
+        if jit_compile not in ("auto", True, False):
+            raise ValueError(f"tf_gpipe: jit_compile must be 'auto', True or False, got {jit_compile!r}.")
         super().compile(*args, jit_compile=False, **kwargs)
         self._compile_config.config["jit_compile"] = jit_compile
+        from tf_gpipe.stage import choose_jit
+
+        self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
         trainer.colocate_slots(self.optimizer)
 
     def compile_from_config(self, config: dict) -> None:

@@ -41,7 +41,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._tokens: Dict[int, tf.Variable] = {}
 
-    def marker(self, label: str, device: int, deps: Sequence[tf.Tensor]) -> tf.Tensor:
+    def marker(self, label: Any, device: int, deps: Sequence[tf.Tensor]) -> tf.Tensor:
         """A tensor that, when computed (after ``deps``), logs ``label`` with the time."""
         deps = [d for d in deps if d is not None]
         # tf.function orders stateful ops without resource inputs all in one chain, which
@@ -49,6 +49,13 @@ class Recorder:
         # ordering to its own device.
         token = self._token(device)
         with tf.control_dependencies(deps):
+            if isinstance(label, tf.Tensor):  # one trace of a stage function serves every micro-batch
+                return tf.py_function(
+                    lambda _, name: self._log(name.numpy().decode(), device),
+                    [token.handle, label],
+                    Tout=tf.float64,
+                    name="timeline_marker",
+                )
             return tf.py_function(
                 lambda _: self._log(label, device), [token.handle], Tout=tf.float64, name="timeline_marker"
             )

@@ -1,0 +1,335 @@
+"""tf_gpipe.stage: each stage traced once whatever M; XLA stage by stage; exact replay under XLA."""
+
+import re
+import time
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, data, mlp_layers, pair
+
+import tf_gpipe
+from tf_gpipe import checkpoint, stage
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _traces(model):
+    return [dict(stage.functions(c).traces) for c in model.cells]
+
+
+def _dropout_bn_layers(seed=3):
+    keras.utils.set_random_seed(seed)
+    return [
+        keras.layers.Dense(12, activation="relu"),
+        keras.layers.Dropout(0.5, seed=1),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.Dense(12, activation="relu"),
+        keras.layers.Dropout(0.3, seed=2),
+        keras.layers.Dense(3),
+    ]
+
+
+# ---------------------------------------------------------------- traced once
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stage_traced_at_most_twice_and_not_per_micro_batch(schedule):
+    """K=2, M=8 on 10 examples (micro-batches of 2 and 1): every stage's forward and
+    backward body is traced at most twice (one extra trace for the smaller size), and
+    M=8 traces no more than M=3 does."""
+    counts = {}
+    x, y = data(10)
+    for M in (3, 8):
+        keras.backend.clear_session()
+        pm = tf_gpipe.PipelineModel(
+            _dropout_bn_layers(), num_stages=2, num_micro_batches=M, schedule=schedule
+        )
+        pm.compile(optimizer="sgd", loss=LOSS)
+        pm.train_on_batch(x, y)
+        pm.train_on_batch(x, y)
+        counts[M] = _traces(pm)
+    for per_stage in counts[8]:
+        assert 1 <= per_stage["forward"] <= 2 and 1 <= per_stage["backward"] <= 2, counts
+    assert counts[8] == counts[3]
+
+
+def test_remat_never_traced_once_per_signature():
+    x, y = data(10)
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=8, remat="never")
+    pm.compile(optimizer="sgd", loss=LOSS)
+    pm.train_on_batch(x, y)
+    assert all(1 <= t["forward"] <= 2 and t["backward"] == 0 for t in _traces(pm))
+
+
+def test_call_under_tape_reuses_the_traces():
+    """Eager __call__ under a user's tape runs the same functions: a second call traces nothing."""
+    x, y = data(10)
+    pm = tf_gpipe.PipelineModel(_dropout_bn_layers(), num_stages=2, num_micro_batches=4)
+    pm.build((None, 8))
+    for _ in range(2):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, pm(x, training=True))
+        grads = tape.gradient(loss, pm.trainable_variables)
+        assert all(g is not None for g in grads)
+        if _ == 0:
+            first = _traces(pm)
+    assert _traces(pm) == first
+    assert all(t["backward"] >= 1 for t in first)
+
+
+def _step_functions(M, remat):
+    """Names of the functions the training step's graph holds (its bodies), and its op count."""
+    keras.backend.clear_session()
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=M, remat=remat)
+    pm.compile(optimizer="sgd", loss=LOSS)
+    pm.build((None, 8))
+    pm.optimizer.build(pm.trainable_variables)
+    step = tf.function(pm.train_step)
+    graph = step.get_concrete_function(
+        (tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([None], tf.int64))
+    ).graph.as_graph_def()
+    names = [re.sub(r"(_\d+)+$", "", f.signature.name) for f in graph.library.function]
+    return sorted(names), len(graph.node)
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_step_graph_holds_stage_bodies_once(remat):
+    """The step's graph holds the same function bodies for M=2 and M=8 (O(K), not O(K x M)):
+    without re-materialization too, where TensorFlow derives the backward of each stage's
+    forward function once, not per call. Only the calls grow with M."""
+    bodies_2, nodes_2 = _step_functions(2, remat)
+    bodies_8, nodes_8 = _step_functions(8, remat)
+    assert bodies_2 == bodies_8
+    assert sum("forward_body" in name for name in bodies_8) >= 2  # the stages are functions
+    assert nodes_8 > nodes_2
+
+
+def test_trace_counter_counts():
+    """The counter the tests above rely on moves with each new trace (a new Python
+    argument is a new signature), so "traced once" is not vacuous."""
+    x, _ = data(8)
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=4)
+    pm.build((None, 8))
+    pm(x, training=False)
+    once = _traces(pm)
+    pm(x, training=True)
+    assert [t["forward"] for t in _traces(pm)] == [t["forward"] + 1 for t in once]
+
+
+def test_stage_outputs_carry_their_keras_mask():
+    """A Keras mask does not leave a function on its tensor: the stage's outputs get it back,
+    so whatever reads them (the next stage, a loss) sees the mask as in keras.Sequential."""
+    keras.utils.set_random_seed(0)
+    pm = tf_gpipe.PipelineModel(
+        [keras.layers.Embedding(20, 4, mask_zero=True), keras.layers.Dense(3)], num_stages=2
+    )
+    x = tf.constant([[3, 5, 0], [7, 0, 0]])
+    pm(x)
+    record = checkpoint.forward(pm.cells[0], x, None, True, remat=True)
+    mask = keras.src.backend.get_keras_mask(record.outputs)
+    assert mask is not None and np.array_equal(mask.numpy(), x.numpy() != 0)
+    assert np.array_equal(record.out_mask.numpy(), x.numpy() != 0)
+
+
+# ---------------------------------------------------------------- XLA per stage
+
+
+def _compiled_with_xla(model):
+    out = []
+    for cell in model.cells:
+        fns = stage.functions(cell)
+        concrete = fns._forward._list_all_concrete_functions()
+        assert concrete, "the stage's forward was never traced"
+        out.append(all(cf.function_def.attr["_XlaMustCompile"].b for cf in concrete))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_jit_compile_true_matches_sequential(schedule):
+    """XLA on CPU, 10 examples in 4 uneven micro-batches: the loss and weights of
+    keras.Sequential (XLA may reorder float sums: tolerance 1e-5)."""
+    seq, pm = pair(mlp_layers, (None, 8), num_stages=2, num_micro_batches=4, schedule=schedule)
+    x, y = data(10)
+    losses = []
+    for model, jit in ((seq, False), (pm, True)):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS, jit_compile=jit)
+        losses.append(model.fit(x, y, batch_size=10, epochs=3, shuffle=False, verbose=0).history["loss"])
+    assert pm.stage_jit == [True, True]
+    assert _compiled_with_xla(pm) == [True, True]
+    assert pm.jit_compile is False  # the step around the stages: one cluster would span devices
+    assert_all_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_jit_compile_true_masks_and_sparse_gradients_match_sequential():
+    """Keras masks cross the function boundary explicitly (Embedding(mask_zero) -> LSTM on
+    the next stage), and an Embedding's sparse gradient leaves an XLA stage function."""
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return [keras.layers.Embedding(20, 8, mask_zero=True), keras.layers.LSTM(8), keras.layers.Dense(3)]
+
+    seq, pm = pair(make, (None, 6), input_dtype="int32", balance=[1, 2], num_micro_batches=3)
+    rng = np.random.RandomState(0)
+    x = rng.randint(1, 20, (10, 6)).astype("int32")
+    x[:, 4:] = 0
+    y = rng.randint(0, 3, 10)
+    for model, jit in ((seq, False), (pm, True)):
+        model.compile(optimizer="adam", loss=LOSS, jit_compile=jit)
+        model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert _compiled_with_xla(pm) == [True, True]
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_jit_compile_auto_off_on_cpu_and_false_never():
+    for jit in ("auto", False):
+        pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=2)
+        pm.compile(optimizer="sgd", loss=LOSS, jit_compile=jit)
+        assert pm.stage_jit == [False, False]  # no GPU or TPU in the test machine
+        pm.train_on_batch(*data(6))
+        assert _compiled_with_xla(pm) == [False, False]
+
+
+class _NoXla(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_jit = False
+
+    def call(self, x):
+        return x + 1.0
+
+
+def test_jit_compile_true_skips_a_stage_whose_layer_refuses_xla():
+    layers = mlp_layers(depth=1) + [_NoXla(name="no_xla")]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=2)
+    with pytest.warns(UserWarning, match=r"stage 1: no_xla"):
+        pm.compile(optimizer="sgd", loss=LOSS, jit_compile=True)
+    assert pm.stage_jit == [True, False]
+    pm.train_on_batch(*data(6))
+    assert _compiled_with_xla(pm) == [True, False]
+
+
+def test_jit_compile_auto_compiles_where_keras_would(monkeypatch):
+    """With a GPU visible, "auto" compiles every stage whose layers all allow XLA,
+    silently skipping the others, as Keras' "auto" does for a model."""
+    real = tf.config.list_physical_devices
+    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+
+    def with_gpu(device_type=None):
+        return real(device_type) + ([gpu] if device_type in (None, "GPU") else [])
+
+    monkeypatch.setattr(tf.config, "list_physical_devices", with_gpu)
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=1) + [_NoXla()], num_stages=2, num_micro_batches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pm.compile(optimizer="sgd", loss=LOSS)  # jit_compile="auto"
+    assert pm.stage_jit == [True, False]
+
+
+class _SeesEager(keras.layers.Layer):
+    modes: list = []
+
+    def call(self, x):
+        _SeesEager.modes.append(tf.executing_eagerly())
+        return x
+
+
+def test_run_eagerly_runs_the_stages_op_by_op():
+    """compile(run_eagerly=True) runs every stage's layers eagerly, as Keras does, and trains
+    as keras.Sequential does."""
+    _SeesEager.modes = []
+    seq, pm = pair(lambda: mlp_layers(depth=2), (None, 8), num_stages=2, num_micro_batches=4)
+    pm.cells[1].layers.insert(0, _SeesEager())
+    x, y = data(10)
+    for model in (seq, pm):
+        model.compile(optimizer="sgd", loss=LOSS, run_eagerly=True, jit_compile=False)
+        model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    assert _SeesEager.modes and all(_SeesEager.modes)
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_jit_compile_bad_value():
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2)
+    with pytest.raises(ValueError, match="jit_compile must be 'auto', True or False"):
+        pm.compile(optimizer="sgd", loss=LOSS, jit_compile="yes")
+
+
+def test_stage_jit_survives_save_and_load(tmp_path):
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=2)
+    pm.compile(optimizer="sgd", loss=LOSS, jit_compile=True)
+    pm.train_on_batch(*data(6))
+    pm.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert loaded.stage_jit == [True, True]
+
+
+# ---------------------------------------------------------------- exact replay under XLA
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_exact_replay_under_xla(schedule):
+    """Under XLA the replay still draws the forward's dropout masks and moves BatchNorm
+    once: re-materialized training equals training on a tape (remat="never")."""
+    x, y = data(10)
+    results = []
+    for remat in ("never", "always"):
+        keras.backend.clear_session()
+        pm = tf_gpipe.PipelineModel(
+            _dropout_bn_layers(), num_stages=2, num_micro_batches=4, remat=remat, schedule=schedule
+        )
+        pm.compile(optimizer="sgd", loss=LOSS, jit_compile=True)
+        pm.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+        assert _compiled_with_xla(pm) == [True, True]
+        results.append(pm.get_weights())
+    assert_all_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+    moving = [w for w in pm.non_trainable_weights if "moving_mean" in w.path]
+    assert moving and not np.allclose(moving[0].numpy(), 0.0)
+
+
+# ---------------------------------------------------------------- the replay waits for its gradient
+
+_EVENTS: list = []
+
+
+class _StampReplay(keras.layers.Layer):
+    """Logs the time its replay runs (a host callback fed by the layer's input)."""
+
+    def call(self, x):
+        if tf_gpipe.is_recomputing():
+            stamp = tf.py_function(
+                lambda a: _EVENTS.append(("replay", time.perf_counter())) or 0.0, [x], tf.float32
+            )
+            with tf.control_dependencies([stamp]):
+                return tf.identity(x)
+        return x
+
+
+def test_replay_waits_for_the_output_gradient():
+    """Inside the backward function the recomputation starts only once the gradient of the
+    stage's output has arrived: started earlier, it would hold the stage's activations from
+    the forward pass on, and re-materialization would save no memory."""
+    _EVENTS.clear()
+    keras.utils.set_random_seed(0)
+    pm = tf_gpipe.PipelineModel([keras.layers.Dense(4), _StampReplay()], num_stages=1)
+    pm.build((None, 3))
+    cell = pm.cells[0]
+
+    def slow_gradient(out):
+        time.sleep(0.3)  # plenty of time for a replay that does not wait to run first
+        _EVENTS.append(("gradient", time.perf_counter()))
+        return tf.ones_like(out)
+
+    @tf.function
+    def step(x):
+        record = checkpoint.forward(cell, x, None, True, remat=True)
+        dy = tf.py_function(slow_gradient, [record.outputs], tf.float32)
+        dy.set_shape(record.outputs.shape)
+        _, grads = checkpoint.backward(cell, record, [dy], [], True, cell.trainable_variables)
+        return grads
+
+    grads = step(tf.ones((2, 3)))
+    assert all(g is not None for g in grads)
+    assert [name for name, _ in sorted(_EVENTS, key=lambda e: e[1])] == ["gradient", "replay"]

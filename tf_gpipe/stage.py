@@ -1,0 +1,303 @@
+"""A stage as two functions traced once: its forward pass and its re-materializing backward pass.
+
+Building every (stage, micro-batch) pass inline makes the training graph, and
+its first trace, grow as K x M x layers. Here each stage is a pair of
+``tf.function``s, traced once per input signature (``reduce_retracing`` lets
+the smaller micro-batches of an uneven split share one trace after the first
+retrace), and the schedule calls them M times: the graph holds O(K) function
+bodies and O(K x M) calls. Each function runs on its stage's device, and with
+``jit_compile`` it is one XLA cluster there: a cluster never spans two stages.
+
+The forward pass is pure in the sense the replay needs: it returns the value
+each variable it wrote had before (seed-generator states, BatchNormalization
+statistics), and the backward pass replays the stage with exactly that state,
+so it draws the same dropout masks and changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import tensorflow as tf
+
+from tf_gpipe import checkpoint
+from tf_gpipe.batchnorm import DeferredStats
+from tf_gpipe.cell import Cell, _attach_mask
+
+__all__ = ["StageFunctions", "choose_jit", "functions", "stage_supports_jit"]
+
+
+def stage_supports_jit(cell: Cell) -> bool:
+    """Whether every layer of ``cell`` (nested ones included) allows XLA, as Keras asks of a model."""
+    return all(getattr(sub, "supports_jit", True) for layer in cell.layers for sub in layer._flatten_layers())
+
+
+def choose_jit(cells: List[Cell], jit_compile: Any, run_eagerly: bool = False) -> List[bool]:
+    """Decide, stage by stage, what ``compile(jit_compile=...)`` means; set ``cell.jit_compile``.
+
+    ``"auto"``: XLA where Keras would compile a model (a GPU or TPU is visible, every
+    layer allows it, op determinism is off). ``True``: every stage that allows it,
+    with a warning naming the layers of any that does not. ``False``: none.
+    """
+    from tensorflow.python.framework.config import is_op_determinism_enabled
+
+    accelerator = any(d.device_type != "CPU" for d in tf.config.list_physical_devices())
+    deterministic = is_op_determinism_enabled()
+    choices, refused = [], []
+    for cell in cells:
+        allowed = stage_supports_jit(cell) and not deterministic
+        if jit_compile is True and not allowed:
+            refused.append(cell)
+        if run_eagerly or jit_compile is False:
+            choice = False
+        elif jit_compile == "auto":
+            choice = accelerator and allowed
+        else:
+            choice = allowed
+        cell.jit_compile = choice
+        cell.run_eagerly = run_eagerly
+        choices.append(choice)
+    if refused:
+        reasons = []
+        for cell in refused:
+            names = [
+                sub.name
+                for layer in cell.layers
+                for sub in layer._flatten_layers()
+                if not getattr(sub, "supports_jit", True)
+            ]
+            reasons.append(f"stage {cell.index}: " + (", ".join(names) or "op determinism is on"))
+        warnings.warn(
+            f"tf_gpipe: jit_compile=True, but some stages cannot use XLA ({'; '.join(reasons)}); "
+            "they run without it, the other stages with it.",
+            stacklevel=3,
+        )
+    return choices
+
+
+def functions(cell: Cell) -> "StageFunctions":
+    """The stage functions of ``cell``, made on first use and remade when its XLA choice changes."""
+    fns = getattr(cell, "_stage_functions", None)
+    jit = bool(getattr(cell, "jit_compile", False))
+    eager = bool(getattr(cell, "run_eagerly", False))
+    if fns is None or (fns.jit_compile, fns.eager) != (jit, eager):
+        fns = StageFunctions(cell, jit, eager)
+        cell._stage_functions = fns
+    return fns
+
+
+def _float_positions(flat: List[Any]) -> List[int]:
+    return [
+        i
+        for i, t in enumerate(flat)
+        if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
+    ]
+
+
+class StageFunctions:
+    """The forward and backward functions of one cell.
+
+    Args:
+        cell: the stage.
+        jit_compile: compile both functions with XLA.
+        eager: run the Python bodies directly, not as functions (``run_eagerly``).
+
+    ``traces`` counts how often each Python body was traced (a test checks that
+    it does not grow with the number of micro-batches).
+    """
+
+    def __init__(self, cell: Cell, jit_compile: bool = False, eager: bool = False):
+        self.cell = cell
+        self.jit_compile = jit_compile
+        self.eager = eager
+        self.traces: Dict[str, int] = {"forward": 0, "backward": 0}
+        # Per (training, deferred): the variables the forward writes, found while tracing.
+        self._written: Dict[Tuple[Any, bool], List[Any]] = {}
+        self._deferred_layers: Dict[Tuple[Any, bool], List[Any]] = {}
+        # Keras' own step functions skip autograph too; reduce_retracing lets the smaller
+        # micro-batches of an uneven split share one trace.
+        options = dict(reduce_retracing=True, autograph=False)
+        self._forward = tf.function(self._forward_body, jit_compile=jit_compile, **options)
+        self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
+        # Timeline markers are host callbacks, which XLA cannot compile.
+        self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
+        if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
+            self._forward = self._forward_body
+            self._backward = self._backward_marked = self._backward_body
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, inputs: Any, mask: Any, side: Optional[dict], nonempty: Any, training: Any, deferred: Any
+    ) -> Tuple[Any, Any, List[tf.Tensor], List[tf.Tensor]]:
+        """Run the stage on one micro-batch, applying its variable updates once.
+
+        Returns ``(outputs, out_mask, layer losses, before)``: ``before`` holds the
+        value each written variable had, for the replay. BatchNormalization moments
+        go into ``deferred`` (a ``batchnorm.DeferredStats``) when it is given.
+        """
+        defer = deferred is not None and bool(training) and bool(self.cell.batch_norms)
+        with tf.device(self.cell.device):
+            outputs, out_mask, losses, before, moments = self._forward(
+                inputs, mask, side, nonempty, training, defer
+            )
+        if defer:
+            for bn, sums in zip(self._deferred_layers[(training, defer)], moments):
+                deferred.add_sums(bn, sums)
+        if out_mask is not None:
+            # A Keras mask does not leave a function on its tensor; a loss or a layer
+            # reading the outputs expects it there, as after keras.Sequential's last layer.
+            _attach_mask(outputs, out_mask)
+        return outputs, out_mask, list(losses), list(before)
+
+    def _forward_body(self, inputs, mask, side, nonempty, training, defer):
+        self.traces["forward"] += 1
+        cell, key = self.cell, (training, defer)
+        bns = cell.batch_norms if defer else []
+        local = DeferredStats() if bns else None
+        # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
+        with tf.device(cell.device), tf.name_scope("forward"):
+            with checkpoint._RecordingScope() as scope:
+                with local.capture(bns, nonempty) if bns else contextlib.nullcontext():
+                    outputs, out_mask = cell.call(inputs, mask, training, side)
+            skipped = local.skipped_variables(bns) if bns else set()
+            written = [v for k, v in scope.written.items() if k not in skipped]
+            before = [checkpoint._read(v) for v in written]
+            for v, old in zip(written, before):
+                new = scope.get_current_value(v)
+                if nonempty is not None:  # an empty micro-batch (e.g. NaN batch statistics) changes nothing
+                    new = tf.where(nonempty, new, old)
+                v.assign(new)
+            recorded = local.sums() if bns else []
+        self._remember(self._written, key, written, "variables it writes")
+        self._remember(self._deferred_layers, key, [bn for bn, _ in recorded], "BatchNormalization layers")
+        return outputs, out_mask, list(scope.losses), before, [sums for _, sums in recorded]
+
+    def _remember(self, table: dict, key: Any, found: list, what: str) -> None:
+        known = table.get(key)
+        if known is not None and [id(v) for v in known] != [id(v) for v in found]:
+            raise RuntimeError(
+                f"tf_gpipe: stage {self.cell.index} changed the {what} between two traces; its "
+                "layers must touch the same variables whatever the micro-batch shape."
+            )
+        table[key] = found
+
+    # ------------------------------------------------------------------ backward
+    def backward(
+        self,
+        inputs: Any,
+        mask: Any,
+        side: Optional[dict],
+        before: List[tf.Tensor],
+        output_grads: List[Optional[tf.Tensor]],
+        loss_grads: List[Optional[tf.Tensor]],
+        nonempty: Any,
+        training: Any,
+        deferred: bool,
+        need_input_grads: bool = True,
+        tracer: Any = None,
+    ) -> Tuple[List[Optional[tf.Tensor]], List[Optional[tf.Tensor]]]:
+        """Replay the stage with the state its forward read, and differentiate the replay.
+
+        Returns ``(input_grads, variable_grads)``: input grads follow
+        ``tf.nest.flatten(inputs)`` (None for non-float inputs), variable grads
+        follow ``cell.trainable_variables``. ``tracer``, a ``(Recorder, device,
+        tag)`` triple, marks the end of the recomputation on a timeline.
+        """
+        defer = bool(deferred) and bool(training) and bool(self.cell.batch_norms)
+        marker, label, fn = None, None, self._backward
+        if tracer is not None:
+            recorder, device, tag = tracer
+            marker, label, fn = (recorder, device), tf.constant("replayed " + tag), self._backward_marked
+        with tf.device(self.cell.device):
+            in_grads, var_grads = fn(
+                inputs,
+                mask,
+                side,
+                list(before),
+                list(output_grads),
+                list(loss_grads),
+                nonempty,
+                training,
+                defer,
+                need_input_grads,
+                marker,
+                label,
+            )
+        return list(in_grads), list(var_grads)
+
+    def _backward_body(
+        self,
+        inputs,
+        mask,
+        side,
+        before,
+        output_grads,
+        loss_grads,
+        nonempty,
+        training,
+        defer,
+        need_input_grads,
+        marker,
+        label,
+    ):
+        self.traces["backward"] += 1
+        cell = self.cell
+        written = self._written[(training, defer)]
+        flat_in = tf.nest.flatten(inputs)
+        float_pos = _float_positions(flat_in)
+        arrived = [g for g in list(output_grads) + list(loss_grads) if g is not None]
+        with tf.device(cell.device), tf.name_scope("replay"):
+            # The recomputation waits for the incoming gradient: run earlier, it would
+            # hold this cell's activations for the whole forward pass and save nothing.
+            # A function whose body is inlined may start before all its inputs are ready,
+            # so the dependency is spelled out here too.
+            with tf.control_dependencies(arrived):
+                replay_in = [tf.identity(flat_in[i]) for i in float_pos]
+            swapped = list(flat_in)
+            for i, t in zip(float_pos, replay_in):
+                swapped[i] = t
+            record = checkpoint.Record(
+                inputs=tf.nest.pack_sequence_as(inputs, swapped),
+                mask=mask,
+                outputs=None,
+                out_mask=None,
+                losses=[],
+                replay_state=list(zip(written, before)),
+                side=side,
+            )
+            variables = cell.trainable_variables
+            with tf.GradientTape() as tape:
+                tape.watch(replay_in)
+                outputs, losses = checkpoint._replay(cell, record, training)
+            if marker is not None:
+                recorder, device = marker
+                done = [t for t in tf.nest.flatten(outputs) + list(losses) if t is not None]
+                mark = recorder.marker(label, device, done)
+                with tf.control_dependencies([mark]):
+                    output_grads = [None if g is None else tf.identity(g) for g in output_grads]
+                    loss_grads = [None if g is None else tf.identity(g) for g in loss_grads]
+            targets, grads = [], []
+            for t, g in zip(
+                list(tf.nest.flatten(outputs)) + list(losses), list(output_grads) + list(loss_grads)
+            ):
+                if g is not None and t is not None:
+                    targets.append(t)
+                    grads.append(g)
+            sources = (list(replay_in) if need_input_grads else []) + list(variables)
+            if targets and sources:
+                result = tape.gradient(
+                    targets,
+                    sources,
+                    output_gradients=grads,
+                    unconnected_gradients=tf.UnconnectedGradients.NONE,
+                )
+            else:
+                result = [None] * len(sources)
+            n_in = len(replay_in) if need_input_grads else 0
+            input_grads: List[Optional[tf.Tensor]] = [None] * len(flat_in)
+            for i, g in zip(float_pos, result[:n_in]):
+                input_grads[i] = g
+            var_grads = [checkpoint._mask_grad(g, nonempty) for g in result[n_in:]]
+        return input_grads, var_grads
