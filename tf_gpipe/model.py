@@ -432,6 +432,10 @@ class PipelineModel(keras.Model):
 
         self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
         trainer.colocate_slots(self.optimizer)
+        if self.built and getattr(self, "optimizer", None) is not None:
+            # Slots made now, not inside the first trace of the training step: a
+            # tf.function that creates variables traces twice, and our step is the long trace.
+            self.optimizer.build(self.trainable_variables)
 
     def compile_from_config(self, config: dict) -> None:
         """Re-compile a loaded model (``keras.models.load_model``) as it was saved."""

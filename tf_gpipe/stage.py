@@ -118,7 +118,10 @@ class StageFunctions:
         self._deferred_layers: Dict[Tuple[Any, bool], List[Any]] = {}
         # Keras' own step functions skip autograph too; reduce_retracing lets the smaller
         # micro-batches of an uneven split share one trace.
-        options = dict(reduce_retracing=True, autograph=False)
+        # ``_noinline``: Grappler would otherwise inline every call, and the step graph it
+        # optimizes would again hold K x M copies of each stage (the first step growing
+        # with M). A call is one op that starts when all its inputs are ready.
+        options = dict(reduce_retracing=True, autograph=False, experimental_attributes={"_noinline": True})
         self._forward = tf.function(self._forward_body, jit_compile=jit_compile, **options)
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
         # Timeline markers are host callbacks, which XLA cannot compile.
