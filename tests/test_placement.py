@@ -252,6 +252,9 @@ _FIT_SCRIPT = textwrap.dedent(
 #     /job:localhost/replica:0/task:0/device:CPU:1
 _PLACEMENT = re.compile(r"placer\.cc:\d+\] (\S+): \((\w+)\): (/\S+)\s*$")
 _STAGE_SCOPE = re.compile(r"(?:^|/)stage(\d+)_mb(\d+)(_backward)?/")
+# Inside a stage function's body (one body per stage, called for every micro-batch):
+# "stage1_forward/dense_1/MatMul", "gradient_tape/stage1_replay/dense_1/MatMul/MatMul".
+_STAGE_BODY = re.compile(r"(?:^|/)stage(\d+)_(forward|replay)/")
 
 
 def _parse_sections(log: str):
@@ -317,6 +320,10 @@ def _stage_ops(fit_placement_log, tag, expected_devices):
     for node, op, device in placements:
         scope = _STAGE_SCOPE.search(node)
         if not scope:
+            body = _STAGE_BODY.search(node)
+            if body:  # micro-batch None: the body every micro-batch's call runs
+                backward = body.group(2) == "replay" or "gradient" in node
+                out.append((int(body.group(1)), None, backward, node, op, device))
             continue
         k, m = int(scope.group(1)), int(scope.group(2))
         # A re-materialized stage replays under "stage{k}_mb{m}_backward"; a stage kept on a
@@ -337,15 +344,17 @@ def test_compute_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, exp
     ]
     assert misplaced == [], misplaced[:20]
     expected = {(k, m, b) for k in range(3) for m in range(2) for b in (False, True)}
+    # Each stage runs as a function: the placer sees one call per stage, micro-batch and
+    # direction, on the stage's device (under XLA its ops are XLA's, not the placer's).
+    calls = {(k, m, b) for k, m, b, _, op, _ in compute if op.endswith("PartitionedCall") and m is not None}
     if tag == "jit":
-        # Each stage function is one XLA cluster: the placer sees one call per stage,
-        # micro-batch and direction, on the stage's device (its ops are XLA's).
-        calls = {(k, m, b) for k, m, b, _, op, _ in compute if op.endswith("PartitionedCall")}
         assert expected <= calls, sorted(expected - calls)
         return
-    # Every stage ran its forward and its backward on every micro-batch: the parser found them.
-    seen_matmul = {(k, m, b) for k, m, b, _, op, _ in compute if op in ("MatMul", "_MklMatMul")}
-    assert expected <= seen_matmul, sorted(expected - seen_matmul)
+    assert {(k, m, False) for k in range(3) for m in range(2)} <= calls
+    # The function bodies (one per stage and direction) ran their matmuls on the stage's
+    # device; remat="always" replays every stage, so each has a replay body too.
+    seen_matmul = {(k, b) for k, m, b, _, op, _ in compute if m is None and op in ("MatMul", "_MklMatMul")}
+    assert {(k, b) for k in range(3) for b in (False, True)} <= seen_matmul, seen_matmul
     seen_ops = {op for *_, op, _ in compute}
     assert {"BiasAdd", "BiasAddGrad", "Relu", "ReluGrad", "ReadVariableOp"} <= seen_ops
 

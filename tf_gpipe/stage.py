@@ -160,7 +160,7 @@ class StageFunctions:
         bns = cell.batch_norms if defer else []
         local = DeferredStats() if bns else None
         # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
-        with tf.device(cell.device), tf.name_scope("forward"):
+        with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"):
             with checkpoint._RecordingScope() as scope:
                 with local.capture(bns, nonempty) if bns else contextlib.nullcontext():
                     outputs, out_mask = cell.call(inputs, mask, training, side)
@@ -251,7 +251,7 @@ class StageFunctions:
         flat_in = tf.nest.flatten(inputs)
         float_pos = _float_positions(flat_in)
         arrived = [g for g in list(output_grads) + list(loss_grads) if g is not None]
-        with tf.device(cell.device), tf.name_scope("replay"):
+        with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_replay"):
             # The recomputation waits for the incoming gradient: run earlier, it would
             # hold this cell's activations for the whole forward pass and save nothing.
             # A function whose body is inlined may start before all its inputs are ready,
