@@ -52,6 +52,11 @@ flags.DEFINE_integer("steps", 5, "Steps per model per round.")
 flags.DEFINE_list("micro_batches", ["1", "4", "16", "32"], "M values for the first-step measurement.")
 flags.DEFINE_integer("stages", 4, "K for the first-step and accum measurements.")
 flags.DEFINE_integer("accum_m", 16, "M for the accum measurement.")
+flags.DEFINE_string(
+    "accum_remat",
+    "never",
+    "remat of the pipeline in the accum measurement (never: same arithmetic as plain accumulation).",
+)
 flags.DEFINE_integer("repeats", 1, "Fresh processes per first-step configuration.")
 flags.DEFINE_bool("gpu", False, "Split the GPU into --stages logical GPUs for the K>1 rows.")
 flags.DEFINE_integer("gpu_memory_mb", 16000, "Memory of each logical GPU with --gpu.")
@@ -268,7 +273,7 @@ def measure_accum():
 
     devices = _setup_devices(FLAGS.stages)
     x, y = _data()
-    pipe = _pipeline(FLAGS.stages, FLAGS.accum_m, devices)
+    pipe = _pipeline(FLAGS.stages, FLAGS.accum_m, devices, remat=FLAGS.accum_remat)
     plain = _accumulating(FLAGS.accum_m)
     plain.set_weights(pipe.get_weights())
     jit = _jit(FLAGS.jit)
@@ -283,7 +288,10 @@ def measure_accum():
             x,
             y,
         )
-    print(f"\n### Steady step, jit_compile={jit!r}: the pipeline against plain micro-batching\n")
+    print(
+        f"\n### Steady step, jit_compile={jit!r}, remat={FLAGS.accum_remat!r}: "
+        "pipeline vs plain micro-batching\n"
+    )
     print(
         _common.md_table(
             ["model", "median step (ms)", "ratio (paired median)"],
