@@ -203,35 +203,60 @@ def backward(
             by_id[id(getattr(v, "_value", v))] = g
         return in_grads, [by_id.get(id(v)) for v in variables]
     flat_in = tf.nest.flatten(record.inputs)
-    float_pos = [
+    float_pos = float_positions(flat_in)
+    with tf.device(cell.device):
+        return tape_gradients(
+            record.tape,
+            list(tf.nest.flatten(record.outputs)) + list(record.losses),
+            list(output_grads) + list(loss_grads),
+            flat_in,
+            float_pos,
+            [flat_in[i] for i in float_pos],
+            variables,
+            need_input_grads,
+            record.nonempty,
+        )
+
+
+def float_positions(flat: List[Any]) -> List[int]:
+    """Positions of the float tensors in ``flat``: the inputs that get a gradient."""
+    return [
         i
-        for i, t in enumerate(flat_in)
+        for i, t in enumerate(flat)
         if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
     ]
-    with tf.device(cell.device):
-        tape, outputs, losses = record.tape, record.outputs, record.losses
-        sources_in = [flat_in[i] for i in float_pos]
-        targets, grads = [], []
-        for t, g in zip(list(tf.nest.flatten(outputs)) + list(losses), list(output_grads) + list(loss_grads)):
-            if g is not None and t is not None:
-                targets.append(t)
-                grads.append(g)
-        sources = (list(sources_in) if need_input_grads else []) + list(variables)
-        if targets and sources:
-            result = tape.gradient(
-                targets,
-                sources,
-                output_gradients=grads,
-                unconnected_gradients=tf.UnconnectedGradients.NONE,
-            )
-        else:
-            result = [None] * len(sources)
-        n_in = len(sources_in) if need_input_grads else 0
-        input_grads: List[Optional[tf.Tensor]] = [None] * len(flat_in)
-        for i, g in zip(float_pos, result[:n_in]):
-            input_grads[i] = g
-        var_grads = [_mask_grad(g, record.nonempty) for g in result[n_in:]]
-    return input_grads, var_grads
+
+
+def tape_gradients(
+    tape: tf.GradientTape,
+    targets: Sequence[Any],
+    target_grads: Sequence[Optional[tf.Tensor]],
+    flat_in: List[Any],
+    float_pos: List[int],
+    sources_in: List[tf.Tensor],
+    variables: Sequence[Any],
+    need_input_grads: bool,
+    nonempty: Any,
+) -> Tuple[List[Optional[tf.Tensor]], List[Optional[tf.Tensor]]]:
+    """``tape``'s gradients of ``targets`` (weighted by ``target_grads``, None = unused)
+    w.r.t. ``sources_in`` and ``variables``: input grads laid out like ``flat_in`` (None
+    for non-float inputs), variable grads zeroed for an empty micro-batch."""
+    pairs = [(t, g) for t, g in zip(targets, target_grads) if g is not None and t is not None]
+    sources = (list(sources_in) if need_input_grads else []) + list(variables)
+    if pairs and sources:
+        result = tape.gradient(
+            [t for t, _ in pairs],
+            sources,
+            output_gradients=[g for _, g in pairs],
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
+        )
+    else:
+        result = [None] * len(sources)
+    n_in = len(sources_in) if need_input_grads else 0
+    input_grads: List[Optional[tf.Tensor]] = [None] * len(flat_in)
+    for i, g in zip(float_pos, result[:n_in]):
+        input_grads[i] = g
+    return input_grads, [_mask_grad(g, nonempty) for g in result[n_in:]]
 
 
 def checkpointed(

@@ -88,14 +88,6 @@ def functions(cell: Cell) -> "StageFunctions":
     return fns
 
 
-def _float_positions(flat: List[Any]) -> List[int]:
-    return [
-        i
-        for i, t in enumerate(flat)
-        if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
-    ]
-
-
 class StageFunctions:
     """The forward and backward functions of one cell.
 
@@ -249,7 +241,7 @@ class StageFunctions:
         cell = self.cell
         written = self._written[(training, defer)]
         flat_in = tf.nest.flatten(inputs)
-        float_pos = _float_positions(flat_in)
+        float_pos = checkpoint.float_positions(flat_in)
         arrived = [g for g in list(output_grads) + list(loss_grads) if g is not None]
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_replay"):
             # The recomputation waits for the incoming gradient: run earlier, it would
@@ -270,7 +262,6 @@ class StageFunctions:
                 replay_state=list(zip(written, before)),
                 side=side,
             )
-            variables = cell.trainable_variables
             with tf.GradientTape() as tape:
                 tape.watch(replay_in)
                 outputs, losses = checkpoint._replay(cell, record, training)
@@ -281,26 +272,14 @@ class StageFunctions:
                 with tf.control_dependencies([mark]):
                     output_grads = [None if g is None else tf.identity(g) for g in output_grads]
                     loss_grads = [None if g is None else tf.identity(g) for g in loss_grads]
-            targets, grads = [], []
-            for t, g in zip(
-                list(tf.nest.flatten(outputs)) + list(losses), list(output_grads) + list(loss_grads)
-            ):
-                if g is not None and t is not None:
-                    targets.append(t)
-                    grads.append(g)
-            sources = (list(replay_in) if need_input_grads else []) + list(variables)
-            if targets and sources:
-                result = tape.gradient(
-                    targets,
-                    sources,
-                    output_gradients=grads,
-                    unconnected_gradients=tf.UnconnectedGradients.NONE,
-                )
-            else:
-                result = [None] * len(sources)
-            n_in = len(replay_in) if need_input_grads else 0
-            input_grads: List[Optional[tf.Tensor]] = [None] * len(flat_in)
-            for i, g in zip(float_pos, result[:n_in]):
-                input_grads[i] = g
-            var_grads = [checkpoint._mask_grad(g, nonempty) for g in result[n_in:]]
-        return input_grads, var_grads
+            return checkpoint.tape_gradients(
+                tape,
+                list(tf.nest.flatten(outputs)) + list(losses),
+                list(output_grads) + list(loss_grads),
+                flat_in,
+                float_pos,
+                replay_in,
+                cell.trainable_variables,
+                need_input_grads,
+                nonempty,
+            )
