@@ -170,7 +170,8 @@ def backward(
     variables: Sequence[Any],
     need_input_grads: bool = True,
     tracer: Any = None,
-) -> Tuple[List[Optional[tf.Tensor]], List[Optional[tf.Tensor]]]:
+    to_sums: bool = False,
+) -> Tuple[List[Optional[tf.Tensor]], Any]:
     """Gradients of one (cell, micro-batch) w.r.t. its float inputs and ``variables``.
 
     ``output_grads`` follow ``tf.nest.flatten(record.outputs)``; ``loss_grads``
@@ -179,11 +180,13 @@ def backward(
     non-float inputs). A re-materialized cell runs its stage's backward function
     (replay and gradients in one function, traced once). ``tracer``, a
     ``(Recorder, device, tag)`` triple, marks the end of the recomputation on a
-    timeline.
+    timeline. With ``to_sums`` (``fit``) the gradients of ``cell.trainable_variables``
+    are added to the stage's gradient sums (``StageFunctions.sums``) and a token, ready
+    once they are, is returned in place of the variable grads.
     """
-    if record.tape is None:
-        from tf_gpipe import stage
+    from tf_gpipe import stage
 
+    if record.tape is None:
         in_grads, cell_grads = stage.functions(cell).backward(
             record.inputs,
             record.mask,
@@ -196,7 +199,10 @@ def backward(
             record.deferred,
             need_input_grads,
             tracer,
+            to_sums,
         )
+        if to_sums:
+            return in_grads, cell_grads
         by_id = {}
         for v, g in zip(cell.trainable_variables, cell_grads):
             by_id[id(v)] = g
@@ -205,17 +211,20 @@ def backward(
     flat_in = tf.nest.flatten(record.inputs)
     float_pos = float_positions(flat_in)
     with tf.device(cell.device):
-        return tape_gradients(
+        in_grads, var_grads = tape_gradients(
             record.tape,
             list(tf.nest.flatten(record.outputs)) + list(record.losses),
             list(output_grads) + list(loss_grads),
             flat_in,
             float_pos,
             [flat_in[i] for i in float_pos],
-            variables,
+            cell.trainable_variables if to_sums else variables,
             need_input_grads,
             record.nonempty,
         )
+    if to_sums:
+        return in_grads, stage.functions(cell).add_to_sums(var_grads)
+    return in_grads, var_grads
 
 
 def float_positions(flat: List[Any]) -> List[int]:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tf_gpipe import checkpoint
+from tf_gpipe import checkpoint, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
@@ -50,19 +50,29 @@ def _after(deps: Sequence[Any], structure: Any) -> Any:
         return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), structure)
 
 
+_CALLS = ("StatefulPartitionedCall", "PartitionedCall")
+
+
 def _done(*structures: Any) -> List[tf.Tensor]:
     """Tensors that are ready once every tensor of ``structures`` is computed.
 
-    Each is read through an Identity: a control dependency on a stage function's
-    output would, once TensorFlow inlines the function, wait only for the
-    function's side effects, not for its outputs.
+    Each is read through an Identity: a control dependency on a function's output
+    would, were TensorFlow to inline the function, wait only for the function's side
+    effects, not for its outputs. The stage functions are never inlined (``_noinline``)
+    and a call's outputs are ready together, so one output of each call stands for
+    all of them: one op per call, not one per tensor.
     """
-    out = []
+    out, calls = [], set()
     for s in structures:
         for t in tf.nest.flatten(s):
             if t is None:
                 continue
-            out.append(tf.identity(t.values if isinstance(t, tf.IndexedSlices) else t))
+            t = t.values if isinstance(t, tf.IndexedSlices) else t
+            if not tf.executing_eagerly() and t.op.type in _CALLS:
+                if t.op.name in calls:
+                    continue
+                calls.add(t.op.name)
+            out.append(tf.identity(t))
     return out
 
 
@@ -109,7 +119,8 @@ def run_schedule(
     grads_in: Dict[Tuple[int, int], List[Optional[tf.Tensor]]] = {}
     outputs: List[Any] = [None] * M
     out_masks: List[Any] = [None] * M
-    totals: Dict[int, Any] = {}
+    rows: Dict[int, Any] = {}  # id(variable) -> gradient not in a sum variable (rows, or M = 1)
+    summed: Dict[int, tf.Tensor] = {}  # stage -> token of its latest addition to its gradient sums
     last: Dict[int, List[tf.Tensor]] = {}  # device -> what its previous action produced
     cell_losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
 
@@ -164,30 +175,38 @@ def run_schedule(
                 for mm, g in enumerate(batch_loss(outputs, out_masks)):
                     grads_in[(S - 1, mm)] = g
             rec = records.pop((s, m))
-            variables = cell.trainable_variables
             loss_grads = [cell_loss_grads[m]] * len(rec.losses) if rec.losses else []
+            # With one micro-batch there is nothing to sum: the gradients are returned.
+            to_sums = M > 1
             with tf.name_scope(f"stage{s}_mb{m}_backward"), tf.device(cell.device):
-                start = mark("start " + tag, d, last.get(d, []) + _done(grads_in[(s, m)]))
+                deps = last.get(d, []) + _done(grads_in[(s, m)])
+                if to_sums and s not in summed:  # the stage's first backward: its sums start at 0
+                    deps.append(stage.functions(cell).zero_sums())
+                start = mark("start " + tag, d, deps)
                 dy = _after(start, grads_in.pop((s, m)))
-                in_grads, var_grads = checkpoint.backward(
+                in_grads, result = checkpoint.backward(
                     cell,
                     rec,
                     dy,
                     _after(start, loss_grads),
                     True,
-                    variables,
+                    cell.trainable_variables,
                     need_input_grads=s > 0,
                     tracer=None if tracer is None else (tracer, d, tag),
+                    to_sums=to_sums,
                 )
-                with tf.device(cell.device):
-                    for v, g in zip(variables, var_grads):
-                        totals[id(v)] = accumulate(totals.get(id(v)), g)
+                if to_sums:
+                    summed[s], grads = result
+                else:
+                    grads = result
+                for v, g in zip(cell.trainable_variables, grads):
+                    if g is not None:  # rows are concatenated, not summed into a dense tensor
+                        rows[id(v)] = accumulate(rows.get(id(v)), g)
             if s > 0:
                 grads_in[(s - 1, m)] = in_grads
-            # The device's next action waits for the sums, not just this backward's
-            # gradients: otherwise Grappler folds the chain of adds into one AddN over
-            # every micro-batch, which keeps M copies of the weight gradients alive.
-            sums = [totals[id(v)] for v, g in zip(variables, var_grads) if g is not None]
             with tf.device(cell.device):
-                last[d] = mark("end " + tag, d, _done(in_grads, sums))
+                last[d] = mark("end " + tag, d, _done(in_grads, summed.get(s), grads))
+    totals: Dict[int, Any] = dict(rows)
+    for s, token in summed.items():
+        totals.update(stage.functions(cells[s]).read_sums(_done(token)))
     return outputs, out_masks, totals, cell_losses

@@ -104,7 +104,12 @@ class StageFunctions:
         self.cell = cell
         self.jit_compile = jit_compile
         self.eager = eager
-        self.traces: Dict[str, int] = {"forward": 0, "backward": 0}
+        self.traces: Dict[str, int] = {"forward": 0, "backward": 0, "sum": 0}
+        # Per trainable variable (by id): where fit's backward passes sum its gradient.
+        self._sums: Dict[int, tf.Variable] = {}
+        # Found while tracing: the variables that get a gradient, and those that get rows.
+        self.graded: set = set()
+        self.sparse: set = set()
         # Per (training, deferred): the variables the forward writes, found while tracing.
         self._written: Dict[Tuple[Any, bool], List[Any]] = {}
         self._deferred_layers: Dict[Tuple[Any, bool], List[Any]] = {}
@@ -118,9 +123,86 @@ class StageFunctions:
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
         # Timeline markers are host callbacks, which XLA cannot compile.
         self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
+        self._add = tf.function(self._add_body, jit_compile=False, **options)
+        self._zero = tf.function(self._zero_body, jit_compile=False, **options)
         if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
             self._forward = self._forward_body
             self._backward = self._backward_marked = self._backward_body
+            self._add, self._zero = self._add_body, self._zero_body
+
+    # ------------------------------------------------------------ gradient sums
+    # fit sums each weight's gradient over the micro-batches in a variable on the stage's
+    # device, added to inside the backward function as each gradient is made (what PyTorch
+    # does with ``.grad``). Summing the returned gradients in the step instead would add
+    # K x M x weights ops to its graph (the first step growing with M), and would hold
+    # a whole stage's gradients at once beside the running sum.
+    def sums(self, variables: List[Any]) -> List[tf.Variable]:
+        """The gradient-sum variables of ``variables`` (made on first use, never saved)."""
+        missing = [v for v in variables if id(v) not in self._sums]
+        if missing:
+            with tf.init_scope(), tf.device(self.cell.device):
+                for v in missing:
+                    self._sums[id(v)] = tf.Variable(
+                        tf.zeros(v.shape, tf.as_dtype(v.dtype)),
+                        trainable=False,
+                        name=f"grad_sum_{v.name}".replace("/", "_").replace(":", "_"),
+                    )
+        return [self._sums[id(v)] for v in variables]
+
+    def zero_sums(self) -> tf.Tensor:
+        """Set the gradient sums to zero; returns a token that is ready once they are."""
+        self.sums(self.cell.trainable_variables)
+        with tf.device(self.cell.device):
+            return self._zero()
+
+    def read_sums(self, after: List[tf.Tensor]) -> Dict[int, tf.Tensor]:
+        """``{id(variable): summed dense gradient}`` for the variables that got one, read
+        once every tensor of ``after`` is ready."""
+        variables = self.cell.trainable_variables
+        with tf.device(self.cell.device), tf.control_dependencies(after):
+            return {
+                id(v): s.read_value()
+                for v, s in zip(variables, self.sums(variables))
+                if id(v) in self.graded and id(v) not in self.sparse
+            }
+
+    def add_to_sums(self, grads: List[Optional[tf.Tensor]]) -> Tuple[tf.Tensor, List[Any]]:
+        """Add gradients (following ``cell.trainable_variables``) to the sums; returns
+        ``(token, sparse gradients)`` as ``_add_grads``."""
+        self.sums(self.cell.trainable_variables)
+        with tf.device(self.cell.device):
+            return self._add(list(grads))
+
+    def _zero_body(self):
+        self.traces["sum"] += 1
+        ops = [s.assign(tf.zeros_like(s)) for s in self.sums(self.cell.trainable_variables)]
+        with tf.control_dependencies(ops):
+            return tf.constant(True)
+
+    def _add_body(self, grads):
+        self.traces["sum"] += 1
+        return self._add_grads(grads)
+
+    def _add_grads(self, grads: List[Any]) -> Tuple[tf.Tensor, List[Any]]:
+        """Add the dense gradients to their sums. Returns ``(token, sparse)``: the token is
+        ready once every sum is added to; ``sparse`` holds the IndexedSlices gradients (an
+        Embedding's rows), which are returned, not summed: Keras' optimizers update a
+        weight differently given its gradient as rows than as a dense tensor, and the
+        unsplit model gives them rows."""
+        ops, sparse = [], []
+        variables = self.cell.trainable_variables
+        for v, total, g in zip(variables, self.sums(variables), grads):
+            if g is not None:
+                self.graded.add(id(v))
+            if isinstance(g, tf.IndexedSlices):
+                self.sparse.add(id(v))
+                sparse.append(g)
+                continue
+            sparse.append(None)
+            if g is not None:
+                ops.append(total.assign_add(g))
+        with tf.control_dependencies(ops):
+            return tf.constant(True), sparse
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -192,19 +274,24 @@ class StageFunctions:
         deferred: bool,
         need_input_grads: bool = True,
         tracer: Any = None,
-    ) -> Tuple[List[Optional[tf.Tensor]], List[Optional[tf.Tensor]]]:
+        to_sums: bool = False,
+    ) -> Tuple[List[Optional[tf.Tensor]], Any]:
         """Replay the stage with the state its forward read, and differentiate the replay.
 
         Returns ``(input_grads, variable_grads)``: input grads follow
         ``tf.nest.flatten(inputs)`` (None for non-float inputs), variable grads
-        follow ``cell.trainable_variables``. ``tracer``, a ``(Recorder, device,
-        tag)`` triple, marks the end of the recomputation on a timeline.
+        follow ``cell.trainable_variables``. With ``to_sums`` the variable grads are
+        added to the gradient sums instead, and a token ready once they are is
+        returned in their place. ``tracer``, a ``(Recorder, device, tag)`` triple,
+        marks the end of the recomputation on a timeline.
         """
         defer = bool(deferred) and bool(training) and bool(self.cell.batch_norms)
         marker, label, fn = None, None, self._backward
         if tracer is not None:
             recorder, device, tag = tracer
             marker, label, fn = (recorder, device), tf.constant("replayed " + tag), self._backward_marked
+        if to_sums:  # made before the trace, which captures them (passing them costs more)
+            self.sums(self.cell.trainable_variables)
         with tf.device(self.cell.device):
             in_grads, var_grads = fn(
                 inputs,
@@ -219,8 +306,9 @@ class StageFunctions:
                 need_input_grads,
                 marker,
                 label,
+                bool(to_sums),
             )
-        return list(in_grads), list(var_grads)
+        return list(in_grads), (var_grads if to_sums else list(var_grads))
 
     def _backward_body(
         self,
@@ -236,6 +324,7 @@ class StageFunctions:
         need_input_grads,
         marker,
         label,
+        to_sums,
     ):
         self.traces["backward"] += 1
         cell = self.cell
@@ -272,7 +361,7 @@ class StageFunctions:
                 with tf.control_dependencies([mark]):
                     output_grads = [None if g is None else tf.identity(g) for g in output_grads]
                     loss_grads = [None if g is None else tf.identity(g) for g in loss_grads]
-            return checkpoint.tape_gradients(
+            in_grads, var_grads = checkpoint.tape_gradients(
                 tape,
                 list(tf.nest.flatten(outputs)) + list(losses),
                 list(output_grads) + list(loss_grads),
@@ -283,3 +372,7 @@ class StageFunctions:
                 need_input_grads,
                 nonempty,
             )
+            if not to_sums:
+                return in_grads, var_grads
+            return in_grads, self._add_grads(var_grads)
+
