@@ -80,10 +80,10 @@ def test_call_under_tape_reuses_the_traces():
     assert all(t["backward"] >= 1 for t in first)
 
 
-def _step_functions(M, remat):
+def _step_functions(M, remat, depth=5):
     """Names of the functions the training step's graph holds (its bodies), and its op count."""
     keras.backend.clear_session()
-    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=M, remat=remat)
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=depth), num_stages=2, num_micro_batches=M, remat=remat)
     pm.compile(optimizer="sgd", loss=LOSS)
     pm.build((None, 8))
     pm.optimizer.build(pm.trainable_variables)
@@ -105,6 +105,41 @@ def test_step_graph_holds_stage_bodies_once(remat):
     assert bodies_2 == bodies_8
     assert sum("forward_body" in name for name in bodies_8) >= 2  # the stages are functions
     assert nodes_8 > nodes_2
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_step_graph_grows_per_micro_batch_by_calls_not_per_weight(remat):
+    """A micro-batch more adds a few ops per stage (the calls and the device chain), not one
+    per weight: the gradients are summed inside the stage functions (in variables on the
+    stage's device), not by K x M x weights adds in the step. A stage with 4x the weights
+    grows the step's graph by the same count."""
+
+    def growth(depth):
+        return _step_functions(6, remat, depth)[1] - _step_functions(2, remat, depth)[1]
+
+    small, big = growth(1), growth(7)  # 4 and 16 weights, 2 stages
+    assert small == big, (small, big)
+
+
+def test_gradient_sums_are_not_weights_and_not_saved(tmp_path):
+    """The variables that sum fit's gradients are the library's scratch space: not in
+    ``weights``, not in the saved model, and a loaded model trains the same."""
+    x, y = data(10)
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=3)
+    pm.compile(optimizer="sgd", loss=LOSS)
+    pm.build((None, 8))
+    before = [v.path for v in pm.weights]
+    pm.train_on_batch(x, y)
+    assert [v.path for v in pm.weights] == before
+    assert all(stage.functions(c)._sums for c in pm.cells)  # the sums exist...
+    path = str(tmp_path / "m.keras")
+    pm.save(path)
+    loaded = keras.models.load_model(path)
+    assert len(loaded.weights) == len(before)  # ...but are not saved
+    loaded.compile(optimizer="sgd", loss=LOSS)
+    pm.train_on_batch(x, y)
+    loaded.train_on_batch(x, y)
+    assert_all_close(pm.get_weights(), loaded.get_weights(), rtol=1e-6, atol=1e-6)
 
 
 def test_trace_counter_counts():

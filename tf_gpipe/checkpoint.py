@@ -220,10 +220,10 @@ def backward(
             [flat_in[i] for i in float_pos],
             cell.trainable_variables if to_sums else variables,
             need_input_grads,
-            record.nonempty,
+            None if to_sums else record.nonempty,  # to_sums: masked inside add_to_sums
         )
     if to_sums:
-        return in_grads, stage.functions(cell).add_to_sums(var_grads)
+        return in_grads, stage.functions(cell).add_to_sums(var_grads, record.nonempty)
     return in_grads, var_grads
 
 

@@ -166,12 +166,12 @@ class StageFunctions:
                 if id(v) in self.graded and id(v) not in self.sparse
             }
 
-    def add_to_sums(self, grads: List[Optional[tf.Tensor]]) -> Tuple[tf.Tensor, List[Any]]:
-        """Add gradients (following ``cell.trainable_variables``) to the sums; returns
-        ``(token, sparse gradients)`` as ``_add_grads``."""
+    def add_to_sums(self, grads: List[Optional[tf.Tensor]], nonempty: Any = None) -> Tuple[tf.Tensor, List[Any]]:
+        """Add gradients (following ``cell.trainable_variables``) to the sums, zeroed first
+        for an empty micro-batch; returns ``(token, sparse gradients)`` as ``_add_grads``."""
         self.sums(self.cell.trainable_variables)
         with tf.device(self.cell.device):
-            return self._add(list(grads))
+            return self._add(list(grads), nonempty)
 
     def _zero_body(self):
         self.traces["sum"] += 1
@@ -179,9 +179,9 @@ class StageFunctions:
         with tf.control_dependencies(ops):
             return tf.constant(True)
 
-    def _add_body(self, grads):
+    def _add_body(self, grads, nonempty):
         self.traces["sum"] += 1
-        return self._add_grads(grads)
+        return self._add_grads([checkpoint._mask_grad(g, nonempty) for g in grads])
 
     def _add_grads(self, grads: List[Any]) -> Tuple[tf.Tensor, List[Any]]:
         """Add the dense gradients to their sums. Returns ``(token, sparse)``: the token is
