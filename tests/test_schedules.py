@@ -26,6 +26,7 @@ def _grid():
         for M in range(1, 13):
             yield "gpipe", K, M, 1
             yield "1f1b", K, M, 1
+            yield "zb-h1", K, M, 1
             if M % K == 0:
                 for v in range(1, 4):
                     yield "interleaved", K, M, v
@@ -79,7 +80,8 @@ def test_every_schedule_is_complete_and_consistent():
         assert (s.num_devices, s.num_micro_batches, s.virtual_stages) == (K, M, v)
         assert s.num_stages == K * v
         counts = Counter(a for order in s.orders for a in order)
-        expected = {Action(kind, st, m) for kind in "FB" for st in range(K * v) for m in range(M)}
+        expected = {Action(kind, st, m) for kind in s.kinds for st in range(K * v) for m in range(M)}
+        assert s.kinds == ("FBW" if name == "zb-h1" else "FB")
         assert set(counts) == expected and set(counts.values()) == {1}, (name, K, M, v)
         for d, order in enumerate(s.orders):
             assert all(s.device_of(a.stage) == d for a in order)
@@ -247,7 +249,7 @@ def test_get_and_errors():
     assert get("1f1b", 3, 4).name == "1f1b"
     assert get("interleaved", 2, 4, 2).num_stages == 4
     with pytest.raises(
-        ValueError, match=r"unknown schedule 'zb'; valid names: 'gpipe', '1f1b', 'interleaved'"
+        ValueError, match=r"unknown schedule 'zb'; valid names: 'gpipe', '1f1b', 'interleaved', 'zb-h1'$"
     ):
         get("zb", 2, 4)
     with pytest.raises(ValueError, match=r"virtual_stages must be 1, got 2 \(use 'interleaved'"):

@@ -1,4 +1,4 @@
-"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as plain data, free of TensorFlow."""
+"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1) as plain data, free of TensorFlow."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ __all__ = [
     "gpipe",
     "interleaved",
     "one_f_one_b",
+    "zb_h1",
 ]
 
 Cost = float | Sequence[float]
@@ -26,12 +27,17 @@ Cost = float | Sequence[float]
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of pipeline work: the forward or backward of one micro-batch on one stage.
+    """One unit of pipeline work: a forward, backward or weight-gradient pass of one micro-batch on one stage.
 
-    ``str`` gives the short label ``"F3"``; ``repr`` adds the stage, ``"F3@s1"``.
+    ``kind`` is ``"F"`` (forward) or ``"B"`` (backward); a schedule with
+    ``split_backward=True`` splits each backward in two: ``"B"`` is then only
+    the gradient w.r.t. the stage input (what the previous stage waits for)
+    and ``"W"`` the gradient w.r.t. the stage weights (needed only by the
+    optimizer update). ``str`` gives the short label ``"F3"``; ``repr`` adds
+    the stage, ``"F3@s1"``.
     """
 
-    kind: str  # "F" (forward) or "B" (backward)
+    kind: str  # "F", "B", or "W" (only with split_backward)
     stage: int  # 0..num_stages-1 (virtual stages when interleaved)
     micro_batch: int
 
@@ -68,6 +74,11 @@ class Schedule:
 
     Stage ``s`` lives on device ``s % num_devices``: with ``virtual_stages = v``
     device ``d`` holds the model chunks (stages) ``d, d+K, ..., d+(v-1)K``.
+
+    With ``split_backward=False`` (gpipe, 1f1b, interleaved) every (stage,
+    micro-batch) has an ``F`` and a ``B``, the full backward (input and weight
+    gradients). With ``split_backward=True`` (zb-h1) it has ``F``, ``B`` (input
+    gradient only) and ``W`` (weight gradient); ``W`` actions exist only then.
     """
 
     name: str
@@ -75,6 +86,12 @@ class Schedule:
     num_micro_batches: int
     virtual_stages: int
     orders: list[list[Action]]
+    split_backward: bool = False
+
+    @property
+    def kinds(self) -> str:
+        """The action kinds of this schedule: ``"FB"``, or ``"FBW"`` when the backward is split."""
+        return "FBW" if self.split_backward else "FB"
 
     @property
     def num_stages(self) -> int:
@@ -94,11 +111,14 @@ class Schedule:
         Returns:
           ``F(s,m)`` needs ``F(s-1,m)``; ``B(s,m)`` needs its own forward
           (the stashed activations) and, below the last stage, ``B(s+1,m)``
-          (the incoming gradient).
+          (the incoming gradient); ``W(s,m)`` needs ``B(s,m)`` (the gradient
+          w.r.t. the stage output that B received, and the stash through B).
         """
         s, m = action.stage, action.micro_batch
         if action.kind == "F":
             return [Action("F", s - 1, m)] if s > 0 else []
+        if action.kind == "W":
+            return [Action("B", s, m)]
         deps = [Action("F", s, m)]
         if s < self.num_stages - 1:
             deps.append(Action("B", s + 1, m))
@@ -106,7 +126,7 @@ class Schedule:
 
     def _expected(self) -> list[Action]:
         S, M = self.num_stages, self.num_micro_batches
-        return [Action(kind, s, m) for kind in "FB" for s in range(S) for m in range(M)]
+        return [Action(kind, s, m) for kind in self.kinds for s in range(S) for m in range(M)]
 
     def _run(self) -> tuple[list[Action], dict[int, Action]]:
         """Play the orders: each round every device runs its next action if it is ready.
@@ -153,10 +173,16 @@ class Schedule:
         for d, actions in enumerate(self.orders):
             for a in actions:
                 if a not in expected:
+                    kinds = " or ".join(repr(k) for k in self.kinds)
+                    hint = (
+                        "; 'W' (weight gradient) only exists with split_backward=True"
+                        if a.kind == "W" and not self.split_backward
+                        else ""
+                    )
                     raise ValueError(
                         f"schedule {self.name!r}: device {d} has unknown action {a!r} "
-                        f"(kind must be 'F' or 'B', stage < {self.num_stages}, "
-                        f"micro-batch < {self.num_micro_batches})"
+                        f"(kind must be {kinds}, stage < {self.num_stages}, "
+                        f"micro-batch < {self.num_micro_batches}{hint})"
                     )
                 if a in seen:
                     raise ValueError(
@@ -209,8 +235,50 @@ class Schedule:
             )
         return costs
 
+    def durations(
+        self, forward_cost: Cost = 1.0, backward_cost: Cost = 2.0, weight_cost: Cost | None = None
+    ) -> dict[str, list[float]]:
+        """Each action kind's time per stage.
+
+        Args:
+          forward_cost: time of one forward, a number or one per stage.
+          backward_cost: time of one *full* backward (input and weight
+            gradients), a number or one per stage, whatever the schedule, so
+            that the same costs describe the same work for every schedule.
+          weight_cost: the share of ``backward_cost`` that a split schedule's
+            ``W`` takes (its ``B`` takes the rest); ``None``: half, as in the
+            zero-bubble paper's F = B = W. Ignored when the backward is not split.
+
+        Returns:
+          ``{"F": [...], "B": [...]}``, plus ``"W"`` when the backward is split.
+
+        Raises:
+          ValueError: for a cost list of the wrong length, or a ``weight_cost``
+            outside ``[0, backward_cost]``.
+        """
+        fwd = self._costs(forward_cost, "forward_cost")
+        bwd = self._costs(backward_cost, "backward_cost")
+        if weight_cost is None:
+            wgt = [b / 2 for b in bwd]
+        else:
+            wgt = self._costs(weight_cost, "weight_cost")
+        for s, (b, w) in enumerate(zip(bwd, wgt)):
+            if not 0 <= w <= b:
+                raise ValueError(
+                    f"weight_cost ({w}) of stage {s} must lie in [0, backward_cost ({b})]: it is the "
+                    "weight-gradient share of the full backward; pass backward_cost = B + W"
+                )
+        if not self.split_backward:
+            return {"F": fwd, "B": bwd}
+        return {"F": fwd, "B": [b - w for b, w in zip(bwd, wgt)], "W": wgt}
+
     def simulate(
-        self, forward_cost: Cost = 1.0, backward_cost: Cost = 2.0, comm_cost: float = 0.0
+        self,
+        forward_cost: Cost = 1.0,
+        backward_cost: Cost = 2.0,
+        comm_cost: float = 0.0,
+        *,
+        weight_cost: Cost | None = None,
     ) -> Timeline:
         """Event-driven timing of the schedule.
 
@@ -220,14 +288,15 @@ class Schedule:
 
         Args:
           forward_cost: time of one forward, a number or one per stage.
-          backward_cost: time of one backward, a number or one per stage.
+          backward_cost: time of one full backward (B + W when split), a number
+            or one per stage.
           comm_cost: transfer time between devices.
+          weight_cost: ``W``'s share of ``backward_cost`` (see :meth:`durations`).
 
         Returns:
           A :class:`Timeline` with every action's ``(device, start, end)``.
         """
-        fwd = self._costs(forward_cost, "forward_cost")
-        bwd = self._costs(backward_cost, "backward_cost")
+        cost = self.durations(forward_cost, backward_cost, weight_cost)
         free = [0] * self.num_devices
         slots: dict[Action, Slot] = {}
         # Any topological order gives the same times: each start is a max over
@@ -238,22 +307,25 @@ class Schedule:
             for dep in self.dependencies(a):
                 slot = slots[dep]
                 start = max(start, slot.end + (comm_cost if slot.device != d else 0))
-            end = start + (fwd if a.kind == "F" else bwd)[a.stage]
+            end = start + cost[a.kind][a.stage]
             slots[a] = Slot(d, start, end)
             free[d] = end
         return Timeline(slots, max(s.end for s in slots.values()))
 
-    def bubble_fraction(self, forward_cost: Cost = 1.0, backward_cost: Cost = 2.0) -> float:
+    def bubble_fraction(
+        self, forward_cost: Cost = 1.0, backward_cost: Cost = 2.0, *, weight_cost: Cost | None = None
+    ) -> float:
         """Idle share of the devices: ``1 - busy / (K * makespan)``.
 
         Args:
           forward_cost: time of one forward, a number or one per stage.
-          backward_cost: time of one backward, a number or one per stage.
+          backward_cost: time of one full backward, a number or one per stage.
+          weight_cost: ``W``'s share of ``backward_cost`` (see :meth:`durations`).
 
         Returns:
           The fraction of device time spent waiting, from :meth:`simulate`.
         """
-        t = self.simulate(forward_cost, backward_cost)
+        t = self.simulate(forward_cost, backward_cost, weight_cost=weight_cost)
         total = self.num_devices * t.makespan
         busy = sum(t.busy(d) for d in range(self.num_devices))
         # One division of (exact) integer-valued sums, so that with integer
@@ -261,37 +333,44 @@ class Schedule:
         return (total - busy) / total
 
     def peak_in_flight(self) -> list[int]:
-        """Per device, the most forwards done whose backward is not yet done.
+        """Per device, the most micro-batches whose stash is held at once.
+
+        A forward stashes its activations; the last pass that reads them frees
+        them: ``B``, or ``W`` when the backward is split (the weight gradient
+        needs the stage's inputs as much as the input gradient does).
 
         Returns:
           For each device, walking its own order, the peak number of stashed
           activations (micro-batch, stage) it must hold at once.
         """
+        release = "W" if self.split_backward else "B"
         peaks = []
         for actions in self.orders:
             live = peak = 0
             for a in actions:
-                live += 1 if a.kind == "F" else -1
+                live += 1 if a.kind == "F" else -1 if a.kind == release else 0
                 peak = max(peak, live)
             peaks.append(peak)
         return peaks
 
-    def draw(self, forward_cost: int = 1, backward_cost: int = 2) -> str:
+    def draw(self, forward_cost: int = 1, backward_cost: int = 2, *, weight_cost: int | None = None) -> str:
         """The simulated schedule as a text Gantt chart.
 
         Args:
           forward_cost: integer time units per forward (a number or one per stage).
-          backward_cost: integer time units per backward (a number or one per stage).
+          backward_cost: integer time units per full backward (a number or one per stage).
+          weight_cost: integer units of ``backward_cost`` that a ``W`` takes
+            when the backward is split; ``None``: half.
 
         Returns:
           One row per device, ``"dev d: "`` then one column per time unit holding
-          the running action's label (``F3``; ``F3@s1`` when interleaved, since a
-          device then runs several stages) or ``.`` when idle.
+          the running action's label (``F3``, ``B3``, ``W3``; ``F3@s1`` when
+          interleaved, since a device then runs several stages) or ``.`` when idle.
         """
-        costs = self._costs(forward_cost, "forward_cost") + self._costs(backward_cost, "backward_cost")
-        if any(int(c) != c for c in costs):
+        cost = self.durations(forward_cost, backward_cost, weight_cost)
+        if any(int(c) != c for costs in cost.values() for c in costs):
             raise ValueError("draw() needs integer costs: one column per time unit")
-        t = self.simulate(forward_cost, backward_cost)
+        t = self.simulate(forward_cost, backward_cost, weight_cost=weight_cost)
         label = str if self.virtual_stages == 1 else repr
         width = max(len(label(a)) for a in t.slots)
         grid = [["."] * int(t.makespan) for _ in range(self.num_devices)]
@@ -311,8 +390,8 @@ def _check_sizes(num_devices: int, num_micro_batches: int, virtual_stages: int =
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _build(name: str, K: int, M: int, v: int, orders: list[list[Action]]) -> Schedule:
-    schedule = Schedule(name, K, M, v, orders)
+def _build(name: str, K: int, M: int, v: int, orders: list[list[Action]], split: bool = False) -> Schedule:
+    schedule = Schedule(name, K, M, v, orders, split)
     # Cheap, and catches a constructor bug here rather than as a hung executor.
     schedule.validate()
     return schedule
@@ -354,15 +433,58 @@ def one_f_one_b(num_devices: int, num_micro_batches: int) -> Schedule:
     """
     _check_sizes(num_devices, num_micro_batches)
     K, M = num_devices, num_micro_batches
-    orders = []
-    for d in range(K):
-        warmup = min(K - d - 1, M)
-        order = [Action("F", d, m) for m in range(warmup)]
-        for i in range(M - warmup):
-            order += [Action("F", d, warmup + i), Action("B", d, i)]
-        order += [Action("B", d, m) for m in range(M - warmup, M)]
-        orders.append(order)
-    return _build("1f1b", K, M, 1, orders)
+    return _build("1f1b", K, M, 1, [_one_f_one_b_order(K, M, d) for d in range(K)])
+
+
+def _one_f_one_b_order(K: int, M: int, d: int, deferred: int | None = None) -> list[Action]:
+    """Device ``d``'s 1F1B order; with ``deferred`` set, the backward is split and
+    the W's, oldest first, run ``deferred`` B's behind them: none after the first
+    ``deferred`` B's, one after each later B, the last ``deferred`` at the end."""
+    warmup = min(K - d - 1, M)
+    order = [Action("F", d, m) for m in range(warmup)]
+    weights = 0  # W's placed so far, oldest backward first
+    for i in range(M):
+        if warmup + i < M:
+            order.append(Action("F", d, warmup + i))
+        order.append(Action("B", d, i))
+        if deferred is not None and i >= deferred:
+            order.append(Action("W", d, weights))
+            weights += 1
+    if deferred is not None:
+        order += [Action("W", d, m) for m in range(weights, M)]
+    return order
+
+
+def zb_h1(num_devices: int, num_micro_batches: int) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al., ICLR 2024): 1F1B with each backward split into B and W.
+
+    ``B`` (input gradient) is all the previous stage waits for, so it runs in
+    1F1B's place and gradients travel down the pipe sooner; ``W`` (weight
+    gradient) is needed only by the optimizer update, so it can wait. Device
+    ``d`` runs 1F1B's F/B order and puts a W after each B, but its W's (oldest
+    first) lag ``d`` B's behind, so its last ``d`` W's run at the end: there
+    device ``d`` would otherwise idle while the last gradients travel down to
+    device 0, ``d`` B-times in all, which the ``d`` W's fill exactly when W
+    takes as long as B. With F = B = W and ``M >= K`` each device idles
+    ``K - 1`` units against 1F1B's ``3(K - 1)``: a third of the bubble (in
+    general ``(K - 1)(F + B - W)`` when ``W <= min(F, B)``, the paper's figure).
+
+    Memory: a stash lives until its W. Device ``d`` holds 1F1B's ``K - d``
+    stashes plus the ``d`` whose W lags: ``min(K, M)`` on every device, which is
+    what 1F1B's busiest device, device 0, holds already (same peak per
+    pipeline, more on devices ``d > 0``).
+
+    Args:
+      num_devices: pipeline depth ``K`` (one stage per device).
+      num_micro_batches: ``M``.
+
+    Returns:
+      The schedule, with ``split_backward=True``.
+    """
+    _check_sizes(num_devices, num_micro_batches)
+    K, M = num_devices, num_micro_batches
+    orders = [_one_f_one_b_order(K, M, d, deferred=d) for d in range(K)]
+    return _build("zb-h1", K, M, 1, orders, split=True)
 
 
 def interleaved(num_devices: int, num_micro_batches: int, virtual_stages: int) -> Schedule:
@@ -454,14 +576,14 @@ def bubble_fraction(num_micro_batches: int, num_stages: int) -> float:
     return (K - 1) / (M + K - 1)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def get(name: str, num_devices: int, num_micro_batches: int, virtual_stages: int = 1) -> Schedule:
     """Build a schedule by name.
 
     Args:
-      name: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``.
+      name: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``.
       num_devices: ``K``.
       num_micro_batches: ``M``.
       virtual_stages: model chunks per device; only ``"interleaved"`` takes more than 1.
@@ -482,5 +604,5 @@ def get(name: str, num_devices: int, num_micro_batches: int, virtual_stages: int
             f"schedule {name!r} runs one stage per device: virtual_stages must be 1, "
             f"got {virtual_stages!r} (use 'interleaved' for virtual stages)"
         )
-    build = gpipe if name == "gpipe" else one_f_one_b
+    build = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[name]
     return build(num_devices, num_micro_batches)

@@ -26,7 +26,7 @@ class Span:
     """One busy interval of one device, in seconds since the first marker of the step."""
 
     device: int
-    kind: str  # "F" forward, "R" recomputation, "B" backward
+    kind: str  # "F" forward, "R" recomputation, "B" backward (input gradient only when "W" is split off), "W"
     stage: int
     micro_batch: int
     start: float
@@ -113,15 +113,18 @@ class Recorder:
 
 
 def live_stashes(spans: Sequence[Span]) -> Dict[int, int]:
-    """Peak number of micro-batches per device whose forward ended and backward did not.
+    """Peak number of micro-batches per device whose forward ended and last backward pass did not.
 
-    That is the number of stage inputs the device holds for its backward passes.
+    That is the number of stage inputs the device holds for its backward passes:
+    a stash is freed by its backward ``B``, or by its ``W`` when the schedule
+    splits the weight gradient off (``W`` reads the stash too).
     """
+    split = {sp.device for sp in spans if sp.kind == "W"}
     events = []
     for sp in spans:
         if sp.kind == "F":
             events.append((sp.end, 1, sp.device))
-        elif sp.kind == "B":
+        elif sp.kind == ("W" if sp.device in split else "B"):
             events.append((sp.end, -1, sp.device))
     live: Dict[int, int] = {}
     peak: Dict[int, int] = {}
@@ -155,7 +158,7 @@ def record(model: Any) -> Iterator[Recorder]:
 
 def save_chrome_trace(spans: Sequence[Span], path: str, device_names: Optional[Sequence[str]] = None) -> None:
     """Write spans as Chrome-trace JSON (open in Perfetto or chrome://tracing)."""
-    names = {"F": "forward", "R": "recompute", "B": "backward"}
+    names = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradient"}
     events = []
     for sp in spans:
         events.append(
@@ -187,7 +190,8 @@ def save_gantt(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"F": "#4C72B0", "R": "#DD8452", "B": "#55A868"}
+    colors = {"F": "#4C72B0", "R": "#DD8452", "B": "#55A868", "W": "#8172B3"}
+    names = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradient"}
     devices = sorted({sp.device for sp in spans})
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(devices) + 1.4))
     for sp in spans:
@@ -215,8 +219,9 @@ def save_gantt(
     ax.invert_yaxis()
     ax.margins(x=0.09)  # room for the legend after the last spans
     ax.set_xlabel("time (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["forward", "recompute", "backward"], loc="upper right", fontsize=8)
+    shown = [k for k in colors if k in {sp.kind for sp in spans}]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in shown]
+    ax.legend(handles, [names[k] for k in shown], loc="upper right", fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
