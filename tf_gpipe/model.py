@@ -207,7 +207,14 @@ class PipelineModel(keras.Model):
         num_stages = len(groups) // virtual_stages
         check_tied_layers(groups)
         # Validates the name, virtual_stages and M against the schedule before anything is built.
-        schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
+        plan = schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
+        if plan.split_backward:
+            raise ValueError(
+                f"tf_gpipe: schedule={schedule!r} splits each backward into B (input gradient) "
+                "and W (weight gradient); the training step cannot run split backwards yet. Its "
+                f"timing can be studied with tf_gpipe.schedules.get({schedule!r}, K, M).simulate(). "
+                "Use schedule='1f1b', which has the same peak activation memory."
+            )
         self._devices_arg = (
             None if devices is None else list(devices) if not isinstance(devices, str) else devices
         )
