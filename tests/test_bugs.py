@@ -270,3 +270,28 @@ def test_masked_embedding_reshape_conv2d_under_1f1b():
     # Batches of 8 and 7 (M=6), then 4 < M: the last leaves micro-batches without an example.
     _fit_both(make, x, y, 8, num_stages=2, num_micro_batches=6, schedule="1f1b")
     _fit_both(make, x[:12], y[:12], 8, num_stages=2, num_micro_batches=6, schedule="1f1b")
+
+
+def test_layer_names_starting_with_underscore_under_a_traced_tape():
+    """A layer named like "_hidden" failed under ``model(x)`` inside a user's
+    ``tf.function`` with a tape (``ValueError: '_hidden/...' is not a valid root scope
+    name``): the stage's replay opened the layer's name scope at the root of a new graph.
+
+    Fixed in 84a5353 (Stage functions: each stage's forward and re-materializing backward
+    traced once (tf_gpipe.stage)): every stage function opens its own name scope first."""
+    layers = [
+        keras.layers.Dense(4, name="_hidden"),
+        keras.layers.Dropout(0.5, seed=1),
+        keras.layers.Dense(2, name="_out"),
+    ]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=2)
+    pm.build((None, 3))
+    x = np.random.RandomState(0).rand(6, 3).astype("float32")
+
+    @tf.function
+    def grads(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(pm(x, training=True))
+        return tape.gradient(loss, pm.trainable_variables)
+
+    assert all(g is not None for g in grads(x))
