@@ -89,8 +89,10 @@ def test_1f1b_peak_memory_is_flat_in_m_without_a_timeline():
     runs = [dict(num_micro_batches=M, schedule="1f1b", remat="always") for M in (4, 8)]
     at4, at8 = _peaks(dict(K=K, rows=rows, width=width, narrow=32, runs=runs))
     # Running every forward as early as dataflow allows would keep M stashes on each of the
-    # K - 1 later devices: 12 more at M=8 than at M=4.
-    assert at8 - at4 < 4 * stash, (at4 / MiB, at8 / MiB)
+    # K - 1 later devices: 12 more at M=8 than at M=4 (16 MiB more, measured, when broken).
+    # The order the runtime picks among ready ops moves the M=4 peak by up to ~4.5 stashes
+    # from run to run (10.5-13.5 MiB measured), hence half of 12 as the bound.
+    assert at8 - at4 < 6 * stash, (at4 / MiB, at8 / MiB)
 
 
 def test_remat_always_lowers_peak_memory():
