@@ -142,6 +142,24 @@ def test_gradient_sums_are_not_weights_and_not_saved(tmp_path):
     assert_all_close(pm.get_weights(), loaded.get_weights(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_training_step_is_traced_once(remat, monkeypatch):
+    """compile makes the optimizer slots and the gradient sums: a tf.function that creates
+    variables in its first trace is traced twice, and the step is the longest trace."""
+    from tf_gpipe import trainer
+
+    calls = []
+    original = trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda model, data: calls.append(1) or original(model, data))
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=3, remat=remat)
+    pm.build((None, 8))
+    pm.compile(optimizer="adam", loss=LOSS)
+    x, y = data(10)
+    pm.train_on_batch(x, y)
+    pm.train_on_batch(x, y)
+    assert len(calls) == 1
+
+
 def test_trace_counter_counts():
     """The counter the tests above rely on moves with each new trace (a new Python
     argument is a new signature), so "traced once" is not vacuous."""

@@ -439,17 +439,26 @@ class PipelineModel(keras.Model):
 
         self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
         trainer.colocate_slots(self.optimizer)
-        if self.built and getattr(self, "optimizer", None) is not None:
-            # Slots made now, not inside the first trace of the training step: a
-            # tf.function that creates variables traces twice, and our step is the long trace.
-            self.optimizer.build(self.trainable_variables)
+        self._build_training_state()
+
+    def _build_training_state(self) -> None:
+        """Optimizer slots and the stages' gradient sums, made now (once built and compiled),
+        not inside the first trace of the training step: a tf.function that creates
+        variables traces twice, and our step is the long trace."""
+        if not self.built or getattr(self, "optimizer", None) is None:
+            return
+        self.optimizer.build(self.trainable_variables)
+        if self.num_micro_batches > 1:
+            from tf_gpipe import stage
+
+            for cell in self._pipeline.cells:
+                stage.functions(cell).sums(cell.trainable_variables)
 
     def compile_from_config(self, config: dict) -> None:
         """Re-compile a loaded model (``keras.models.load_model``) as it was saved."""
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
-        if getattr(self, "optimizer", None) is not None and self.built:
-            self.optimizer.build(self.trainable_variables)
+        self._build_training_state()
 
     def train_step(self, data: Any) -> dict:
         """One mini-batch: the schedule's forwards and backwards stage by stage,

@@ -106,7 +106,10 @@ class StageFunctions:
         self.eager = eager
         self.traces: Dict[str, int] = {"forward": 0, "backward": 0, "sum": 0}
         # Per trainable variable (by id): where fit's backward passes sum its gradient.
-        self._sums: Dict[int, tf.Variable] = {}
+        # Kept on the cell: they outlive a remake of its functions (a new XLA choice).
+        if not hasattr(cell, "_gradient_sums"):
+            cell._gradient_sums = {}
+        self._sums: Dict[int, tf.Variable] = cell._gradient_sums
         # Found while tracing: the variables that get a gradient, and those that get rows.
         self.graded: set = set()
         self.sparse: set = set()
