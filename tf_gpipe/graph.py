@@ -141,13 +141,10 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
     zero batch of ``batch_size``, median of ``repeats`` calls (BatchNorm statistics
     and dropout seeds are put back after).
     """
-    import statistics
-    import time
-
     import numpy as np
     import tensorflow as tf
 
-    from tf_gpipe.balance import _sandbox
+    from tf_gpipe.balance.profile import _median_times, _sandbox
 
     nodes = graph_nodes(model)
     seen: set = set()
@@ -198,10 +195,5 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
                     [loss] + [tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None]
                 )
 
-            steps.append((tf.function(step, autograph=False), []))
-        for _ in range(2 + repeats):  # the first call traces, the second warms up
-            for fn, times in steps:  # in turns: a burst of load hits every node alike
-                start = time.perf_counter()
-                fn().numpy()
-                times.append(time.perf_counter() - start)
-    return [float(statistics.median(times[2:])) for _, times in steps]
+            steps.append(tf.function(step, autograph=False))
+        return _median_times(steps, warmup=1, repeats=repeats)
