@@ -140,7 +140,7 @@ def test_masked_loss_with_layer_losses_per_micro_batch_is_refused(schedule, M, v
     _, pm = _pair("dense", schedule, M, v, regularize=True)
     _compile(pm)
     x, y, _ = _padded(8)
-    with pytest.raises(ValueError, match="activity regularizers.*schedule='gpipe'"):
+    with pytest.raises(ValueError, match=r"activity regularizers.*schedule='gpipe'"):
         pm.train_on_batch(x, y)
 
 
@@ -210,7 +210,7 @@ def test_several_masked_outputs(schedule):
         model.compile(optimizer=keras.optimizers.SGD(0.5), loss=[loss, loss])
     expected = seq.train_on_batch(x, (y, y[:, ::-1]), return_dict=True)
     if schedule != "gpipe":  # each output's loss has its own count of valid tokens
-        with pytest.raises(ValueError, match="several outputs.*schedule='gpipe'"):
+        with pytest.raises(ValueError, match=r"several outputs.*schedule='gpipe'"):
             pm.train_on_batch(x, (y, y[:, ::-1]))
         return
     got = pm.train_on_batch(x, (y, y[:, ::-1]), return_dict=True)

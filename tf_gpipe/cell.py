@@ -170,7 +170,5 @@ def _attach_mask(x: Any, mask: Any) -> None:
     if len(xs) == len(ms):
         for t, m in zip(xs, ms):
             if m is not None:
-                try:
+                with contextlib.suppress(AttributeError):
                     _kbackend.set_keras_mask(t, m)
-                except AttributeError:
-                    pass

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Union
 import tensorflow as tf
 from keras.src import backend as _kbackend
 
-__all__ = ["Split", "check_batched", "split", "merge"]
+__all__ = ["Split", "check_batched", "merge", "split"]
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Split:
             return None if size > 0 else tf.constant(False)
         return tf.greater(size, 0)
 
-    def select(self, index: int) -> "Split":
+    def select(self, index: int) -> Split:
         """The same cut of element ``index`` of every chunk (chunks are tuples)."""
         return replace(self, chunks=[c[index] for c in self.chunks])
 
@@ -197,7 +197,7 @@ def merge(chunks: Sequence[Any], masks: Optional[Sequence[Any]] = None) -> Any:
     if len(chunks) == 1:
         return chunks[0]
     flats = [tf.nest.flatten(c) for c in chunks]
-    merged = []
+    merged: List[Any] = []
     for parts in zip(*flats):
         if parts[0] is None:
             merged.append(None)

@@ -6,7 +6,7 @@ import contextlib
 import statistics
 import time
 from functools import partial
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import keras
 import numpy as np
@@ -43,10 +43,11 @@ def _inputs(sample: Any, batch_size: int) -> Any:
         raise ValueError("tf_gpipe: pass a sample: a batch, a shape such as (32, 784), or keras.Input first.")
     rng = np.random.RandomState(0)  # fixed data; the global NumPy and Keras seeds stay untouched
 
-    def fill(shape: Sequence[Optional[int]], dtype: Any) -> tf.Tensor:
-        shape = [batch_size if i == 0 and d is None else d for i, d in enumerate(shape)]
-        if None in shape:
-            raise ValueError(f"tf_gpipe: the sample shape {tuple(shape)} has a None; give every dimension.")
+    def fill(spec_shape: Sequence[Optional[int]], dtype: Any) -> tf.Tensor:
+        dims = [batch_size if i == 0 and d is None else d for i, d in enumerate(spec_shape)]
+        if None in dims:
+            raise ValueError(f"tf_gpipe: the sample shape {tuple(dims)} has a None; give every dimension.")
+        shape = cast(List[int], dims)
         if tf.as_dtype(dtype).is_floating:
             return tf.cast(rng.standard_normal(shape).astype(np.float32), dtype)
         return tf.zeros(shape, tf.as_dtype(dtype))  # valid token ids and masks

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from tf_gpipe import schedules
 from tf_gpipe.balance.profile import Layers, _layer_list, _nbytes, _prepare
@@ -53,11 +53,12 @@ def report(
         raise ValueError(f"tf_gpipe: balance has {len(groups)} stages, not a multiple of virtual_stages.")
     if time_costs is not None and len(time_costs) != len(layer_list):
         raise ValueError(f"tf_gpipe: time_costs has {len(time_costs)} entries for {len(layer_list)} layers.")
-    known: Dict[str, Optional[List[float]]] = {"time": time_costs, "activations": None}
+    known: Dict[str, Optional[Sequence[float]]] = {"time": time_costs, "activations": None}
     if sample is not None or spec is not None or not all(layer.built for layer in layer_list):
         records = _prepare(layer_list, spec if sample is None else sample, batch_size)[1]
         known["activations"] = [_nbytes(y) for _, _, y in records]
-    known["params"] = [layer.count_params() for layer in layer_list]
+    params = [layer.count_params() for layer in layer_list]
+    known["params"] = params
     per = {k: None if v is None else [float(sum(v[i] for i in g)) for g in groups] for k, v in known.items()}
     num_devices = len(groups) // virtual_stages
     devices = list(devices) if devices is not None else default_devices(num_devices)
@@ -66,7 +67,8 @@ def report(
     headers = ["stage", "device", "params", "time (ms)", "activations (MiB)", "layers"]
 
     def cell(key: str, s: int, scale: float, pattern: str) -> str:
-        return "-" if per[key] is None else format(per[key][s] * scale, pattern)
+        values = per[key]
+        return "-" if values is None else format(values[s] * scale, pattern)
 
     rows = [headers] + [
         [
@@ -90,10 +92,11 @@ def report(
         table[0],
         "-" * len(table[0]),
         *table[1:],
-        f"Total params: {sum(known['params']):,}",
+        f"Total params: {sum(params):,}",
     ]
     basis = "time" if time_costs is not None else "params"
     stage = per[basis]
+    assert stage is not None  # params are always known, time is the basis only when given
     mean = sum(stage) / len(stage)
     lines.append(f"Stage imbalance (max/mean {basis}): " + (f"{max(stage) / mean:.2f}" if mean else "n/a"))
     plan = schedules.get(schedule, num_devices, num_micro_batches, virtual_stages)

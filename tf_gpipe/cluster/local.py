@@ -145,21 +145,22 @@ class LocalCluster:
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL, cwd=root
             )
 
-    def start(self, tasks: Optional[Sequence[int]] = None) -> "LocalCluster":
+    def start(self, tasks: Optional[Sequence[int]] = None) -> LocalCluster:
         """Start the given tasks (default: all not running) and wait until they listen."""
         if self._closed:
             raise RuntimeError("tf_gpipe: this LocalCluster is closed; make a new one.")
         tasks = [t for t in (range(self.num_workers) if tasks is None else tasks) if not self.alive(t)]
-        for t in tasks:
-            self._procs[t] = self._launch(t)
+        launched = [(t, self._launch(t)) for t in tasks]
+        for t, proc in launched:
+            self._procs[t] = proc
         deadline = time.monotonic() + self.startup_timeout
         try:
-            for t in tasks:
+            for t, proc in launched:
                 while _READY not in _tail(self.log(t), 10**6):
-                    if self._procs[t].poll() is not None:
+                    if proc.poll() is not None:
                         raise RuntimeError(
                             f"tf_gpipe: local worker {t} ({self.addresses[t]}) exited with code "
-                            f"{self._procs[t].returncode} while starting; its log "
+                            f"{proc.returncode} while starting; its log "
                             f"{self.log(t)} ends with:\n{_tail(self.log(t))}"
                         )
                     if time.monotonic() > deadline:
@@ -203,7 +204,7 @@ class LocalCluster:
                 p.wait(timeout=30)
         atexit.unregister(self.close)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -56,6 +56,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 model=model, optimizer=model.optimizer, variables=list(model.variables), epoch=self._epoch
             )
             self.manager = tf.train.CheckpointManager(ckpt, self.directory, self.max_to_keep)
+        assert self._epoch is not None  # made with the manager
         latest = self.manager.latest_checkpoint
         if latest:
             self.manager.checkpoint.restore(latest, options=self._options()).assert_existing_objects_matched()
@@ -63,6 +64,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             model._initial_epoch = self.restored_epoch  # what keras.callbacks.BackupAndRestore sets
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        assert self._epoch is not None and self.manager is not None  # made by on_train_begin
         self._epoch.assign(epoch + 1)
         self.manager.save(checkpoint_number=epoch + 1, options=self._options())
 

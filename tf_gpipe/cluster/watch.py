@@ -164,7 +164,7 @@ class WorkerWatch(keras.callbacks.Callback):
             local.close(grace=1.0)
         os._exit(self.exit_code)
 
-    def start(self) -> "WorkerWatch":
+    def start(self) -> WorkerWatch:
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="tf_gpipe-worker-watch", daemon=True)
@@ -177,7 +177,7 @@ class WorkerWatch(keras.callbacks.Callback):
             self._thread.join(timeout=self.probe_timeout * (len(self.addresses) + 1))
             self._thread = None
 
-    def __enter__(self) -> "WorkerWatch":
+    def __enter__(self) -> WorkerWatch:
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
