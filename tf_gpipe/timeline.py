@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-__all__ = ["Recorder", "Span", "live_stashes", "record"]
+__all__ = ["Recorder", "Span", "live_stashes", "record", "save_chrome_trace", "save_gantt"]
 
 
 @dataclass(frozen=True)
