@@ -6,6 +6,8 @@ import pytest
 import tensorflow as tf
 from helpers import assert_all_close, pair
 
+from tf_gpipe import keras_compat
+
 T, VOCAB, CLASSES = 6, 20, 5
 
 # schedule, M, virtual_stages, examples: uneven micro-batches (7 = 3+2+2, 10 = 3+3+2+2).
@@ -71,7 +73,7 @@ def _assert_mask_matters(model, x, y, sw):
     """The masked loss differs from the unmasked one by far more than the tests' tolerance."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = model(x)
-    assert keras.src.backend.get_keras_mask(out) is not None
+    assert keras_compat.get_keras_mask(out) is not None
     masked = float(loss_fn(y, out, sample_weight=sw))
     unmasked = float(loss_fn(y, tf.identity(out), sample_weight=sw))
     assert abs(masked - unmasked) > 1e-3 * abs(masked)  # 100 x the tolerance

@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence, Union
 
 import tensorflow as tf
-from keras.src import backend as _kbackend
+
+from tf_gpipe import keras_compat
 
 __all__ = ["Split", "check_batched", "merge", "split"]
 
@@ -183,7 +184,7 @@ def _attach_mask(outputs: Any, mask: Any) -> Any:
         return outputs
     for t, m in zip(tf.nest.flatten(outputs), tf.nest.flatten(mask)):
         if m is not None:
-            _kbackend.set_keras_mask(t, m)
+            keras_compat.set_keras_mask(t, m)
     return outputs
 
 

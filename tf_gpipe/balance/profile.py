@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import backend as _kbackend
 
+from tf_gpipe import keras_compat
 from tf_gpipe.cell import _eager_build_scope, _layer_kwargs
 
 __all__ = ["by_memory", "by_params", "by_time"]
@@ -92,7 +92,7 @@ def _prepare(layers: Layers, sample: Any, batch_size: int) -> Tuple[List[keras.l
                 shapes = tf.nest.map_structure(lambda t: tuple(t.shape), x)
                 raise type(e)(f"tf_gpipe: running layers[{i}] ({layer.name!r}) on {shapes}: {e}") from e
             records.append((x, mask, y))
-            mask = tf.nest.map_structure(_kbackend.get_keras_mask, y)
+            mask = tf.nest.map_structure(keras_compat.get_keras_mask, y)
             mask = None if all(m is None for m in tf.nest.flatten(mask)) else mask
             x = y
     return layers, records

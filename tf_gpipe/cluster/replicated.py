@@ -7,6 +7,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import keras
 import tensorflow as tf
 
+from tf_gpipe import keras_compat
+
 __all__ = ["ReplicatedPipeline"]
 
 
@@ -97,14 +99,12 @@ class ReplicatedPipeline(keras.Model):
         return [[m.values[r] for m in reduced] for r in range(self.num_replicas)]
 
     def train_step(self, data: Any) -> dict:
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
         if not self.built:
             raise ValueError(
                 "tf_gpipe: build the ReplicatedPipeline first (input_shape=... or "
                 "model.build(input_shape)) so that every replica starts from the same weights."
             )
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         R = self.num_replicas
         batch = x.shape[0]
         if batch is not None and batch % R:
@@ -113,12 +113,13 @@ class ReplicatedPipeline(keras.Model):
                 f"use a batch_size divisible by {R} (and drop_remainder=True for datasets)."
             )
         shards = [tf.split(t, R) if t is not None else [None] * R for t in (x, y, sample_weight)]
+        compute_loss = keras_compat.compiled_loss(self)
         grads, outs, losses = [], [], []
         for r, replica in enumerate(self.replicas):
             xr, yr, swr = (shards[0][r], shards[1][r], shards[2][r])
             with tf.GradientTape() as tape:
                 out = replica(xr, training=True)
-                loss = self._compile_loss(yr, out, swr)
+                loss = compute_loss(yr, out, swr)
                 if replica.losses:  # weight regularizers, activity regularizers
                     loss = loss + tf.add_n(replica.losses)
             grads.append(tape.gradient(loss, replica.trainable_variables))
@@ -128,5 +129,5 @@ class ReplicatedPipeline(keras.Model):
         pairs = [zip(mean[r], replica.trainable_variables) for r, replica in enumerate(self.replicas)]
         self.optimizer.apply_gradients([pair for replica_pairs in pairs for pair in replica_pairs])
         loss = tf.add_n(losses) / R
-        self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+        keras_compat.loss_tracker(self).update_state(loss, sample_weight=tf.shape(x)[0])
         return self.compute_metrics(x, y, tf.concat(outs, 0), sample_weight=sample_weight)

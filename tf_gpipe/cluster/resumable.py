@@ -7,6 +7,7 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
+from tf_gpipe import keras_compat
 from tf_gpipe.cluster.connect import client_device
 
 __all__ = ["ResumableCheckpoint"]
@@ -61,7 +62,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if latest:
             self.manager.checkpoint.restore(latest, options=self._options()).assert_existing_objects_matched()
             self.restored_epoch = int(self._epoch.numpy())
-            model._initial_epoch = self.restored_epoch  # what keras.callbacks.BackupAndRestore sets
+            keras_compat.set_initial_epoch(model, self.restored_epoch)
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         assert self._epoch is not None and self.manager is not None  # made by on_train_begin
@@ -69,4 +70,5 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self.manager.save(checkpoint_number=epoch + 1, options=self._options())
 
     def on_train_end(self, logs: Any = None) -> None:
-        self.model._initial_epoch = None  # Keras never resets it: a later fit would skip epochs
+        # Keras never resets it: a later fit would skip epochs.
+        keras_compat.set_initial_epoch(self.model, None)
