@@ -1,4 +1,4 @@
-"""The core property: a PipelineModel computes what keras.Sequential(layers) computes."""
+"""tf_gpipe.model, the core property: a PipelineModel computes what keras.Sequential(layers) computes."""
 
 import itertools
 

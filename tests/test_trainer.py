@@ -1,4 +1,4 @@
-"""Padded sequences: fit's loss, metrics and gradients honour the outputs' Keras mask."""
+"""tf_gpipe.trainer: with padded sequences, fit's loss, metrics and gradients honour the Keras mask."""
 
 import keras
 import numpy as np
