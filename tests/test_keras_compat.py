@@ -263,6 +263,56 @@ def test_set_initial_epoch_resumes_fit():
     assert model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=2, verbose=0).epoch == [0, 1], VERSION
 
 
+def test_flat_compiled_losses_name_each_outputs_loss():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert keras_compat.flat_compiled_losses(model) == [], VERSION
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    keras_compat.compiled_loss(model)(tf.ones((1, 1)), tf.zeros((1, 1)), None)  # built on first use
+    (entry,) = keras_compat.flat_compiled_losses(model)
+    assert entry.loss.reduction == "sum", f"{VERSION}: {entry}"
+
+
+def test_model_compute_loss_serves_old_style_overrides():
+    class OldStyle(keras.Sequential):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):  # no training=
+            return super().compute_loss(x, y, y_pred, sample_weight) * 2.0
+
+    for cls, factor in ((keras.Sequential, 1.0), (OldStyle, 2.0)):
+        model = cls([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        y, y_pred = tf.constant([[1.0]]), tf.constant([[0.0]])
+        loss = keras_compat.model_compute_loss(model, None, y, y_pred, None, training=True)
+        assert float(loss) == pytest.approx(factor), f"{VERSION}: {cls.__name__} gave {float(loss)}"
+
+
+def test_aggregate_additional_loss_sums_and_casts():
+    model = _compiled()
+    total = keras_compat.aggregate_additional_loss(model, tf.constant([1, 2, 3]))
+    assert total.dtype == tf.float32 and float(total) == 6.0, f"{VERSION}: {total}"
+
+
+def test_clear_losses_forgets_earlier_calls():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, activity_regularizer="l2")])
+    model(tf.ones((1, 2)))
+    assert len(model.losses) == 1, VERSION
+    keras_compat.clear_losses(model)
+    assert model.losses == [], f"{VERSION}: {model.losses}"
+
+
+def test_unscale_loss_for_distribution_is_the_identity_on_one_replica():
+    loss = tf.constant(3.0)
+    assert float(keras_compat.unscale_loss_for_distribution(loss)) == 3.0, VERSION
+
+
+def test_sequential_functional_holds_the_graph():
+    model = keras.Sequential([keras.layers.Dense(2)])
+    assert keras_compat.sequential_functional(model) is None, VERSION
+    model.build((None, 3))
+    functional = keras_compat.sequential_functional(model)
+    assert functional is not None and tuple(functional.inputs[0].shape) == (None, 3), VERSION
+    assert len(keras_compat.functional_nodes(functional)) == 1, VERSION
+
+
 # ------------------------------------------------------------------------------ not yet routed here
 def test_stateless_scope_add_update_sees_every_write():
     """checkpoint._RecordingScope overrides StatelessScope.add_update (private) to learn
@@ -321,6 +371,11 @@ def test_a_missing_module_fails_loudly(monkeypatch):
         (keras_compat.outputs_structure, _functional, "_outputs_struct"),
         (keras_compat.functional_nodes, _functional, "_nodes_by_depth"),
         (keras_compat.compiled_loss, _compiled, "_compile_loss"),
+        (
+            keras_compat.sequential_functional,
+            lambda: keras.Sequential([keras.layers.Dense(1)]),
+            "_functional",
+        ),
     ],
 )
 def test_a_missing_private_attribute_fails_loudly(hook, make, private):

@@ -25,26 +25,32 @@ import keras
 
 __all__ = [
     "KerasCompatError",
+    "aggregate_additional_loss",
     "backing_variable",
     "batch_norm_reduction_axes",
     "call_takes_mask",
     "call_takes_training",
+    "clear_losses",
     "compiled_loss",
     "current_stateless_scope",
+    "flat_compiled_losses",
     "functional_nodes",
     "get_keras_mask",
     "inputs_structure",
     "loss_tracker",
+    "model_compute_loss",
     "nested_layers",
     "node_arguments",
     "observe_batch_norm_moments",
     "operation_caller",
     "outputs_structure",
+    "sequential_functional",
     "set_backing_variable",
     "set_initial_epoch",
     "set_keras_mask",
     "standardize_inputs",
     "suspend_stateless_scope",
+    "unscale_loss_for_distribution",
 ]
 
 
@@ -329,3 +335,60 @@ def set_initial_epoch(model: keras.Model, epoch: Optional[int]) -> None:
     why = "resume fit from the epoch of a checkpoint (cluster.ResumableCheckpoint)"
     _attribute(model, "_initial_epoch", why)
     model._initial_epoch = epoch
+
+
+def flat_compiled_losses(model: keras.Model) -> list:
+    """The entries of the compiled loss, one per output (each with its ``.loss``), or [].
+
+    Uses ``CompileLoss._flat_losses``: what reduction each output's loss uses decides
+    whether a loss can be split over micro-batches.
+    """
+    loss = compiled_loss(model)
+    if loss is None:
+        return []
+    return list(_attribute(loss, "_flat_losses", "check the reduction of each compiled loss") or [])
+
+
+def model_compute_loss(
+    model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool = True
+) -> Any:
+    """``model.compute_loss(...)`` as Keras' own ``train_step`` calls it.
+
+    Uses ``Trainer._compute_loss``, which also serves overrides of ``compute_loss`` written
+    before it took ``training`` (Keras < 3.3).
+    """
+    method = _attribute(model, "_compute_loss", "compute the loss as keras.Model.train_step does")
+    return method(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def aggregate_additional_loss(model: keras.Model, loss: Any) -> Any:
+    """One scalar from a loss that layers added (``add_loss``, regularizers), as ``fit`` sums it.
+
+    Uses ``Trainer._aggregate_additional_loss`` (a sum, cast to floatx if not float).
+    """
+    return _attribute(model, "_aggregate_additional_loss", "add the losses that layers add")(loss)
+
+
+def clear_losses(model: keras.Model) -> None:
+    """Forget the losses layers added in earlier calls (``__call__`` does it; a step that
+    runs the layers without it must too). Uses ``Layer._clear_losses``."""
+    _attribute(model, "_clear_losses", "clear the losses of an earlier call")()
+
+
+def unscale_loss_for_distribution(loss: Any) -> Any:
+    """The loss as ``fit`` reports it under a ``tf.distribute`` strategy (undone replica scaling).
+
+    Uses ``keras.src.losses.loss.unscale_loss_for_distribution``.
+    """
+    why = "report the loss as keras.Model.train_step does"
+    return _attribute(_module("keras.src.losses.loss", why), "unscale_loss_for_distribution", why)(loss)
+
+
+def sequential_functional(model: keras.Sequential) -> Any:
+    """The functional model behind a built ``keras.Sequential`` (None before it is built).
+
+    Uses ``Sequential._functional``: its symbolic inputs and graph, which
+    ``PipelineModel`` takes the input spec from and ``from_model`` cuts.
+    """
+    why = "read the input spec and graph of a built keras.Sequential"
+    return _attribute(model, "_functional", why)  # set (to None) by Sequential.__init__
