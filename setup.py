@@ -1,12 +1,14 @@
 """tf_gpipe: GPipe pipeline parallelism for TensorFlow 2 and Keras 3."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="tf_gpipe",
     version="0.1.0",
     description="GPipe pipeline parallelism for TensorFlow 2 and Keras 3",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["tf_gpipe", "tf_gpipe.*"]),
     python_requires=">=3.10",
@@ -22,6 +24,6 @@ setup(
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
         "bench": ["matplotlib>=3.8,<4"],
-        "dev": ["ruff>=0.6"],
+        "dev": ["ruff==0.17.6", "mypy==2.4.1"],  # as requirements-dev.txt
     },
 )

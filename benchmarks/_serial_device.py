@@ -42,7 +42,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["SerialWork", "configure_threads", "device_lock", "work_log", "clear_work_log"]
+__all__ = ["SerialWork", "clear_work_log", "configure_threads", "device_lock", "work_log"]
 
 _LOCKS: Dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()

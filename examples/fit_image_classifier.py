@@ -38,24 +38,27 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's C++ start-up chatter
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
-import tf_gpipe.flags as pipeline_flags  # noqa: E402
+import tf_gpipe.flags as pipeline_flags
 
 FLAGS = flags.FLAGS
 
-pipeline_flags.define_pipeline_flags(
-    defaults={"num_stages": 4, "num_micro_batches": 4, "virtual_cpus": 4}
-)
+pipeline_flags.define_pipeline_flags(defaults={"num_stages": 4, "num_micro_batches": 4, "virtual_cpus": 4})
 flags.DEFINE_enum(
-    "dataset", "auto", ["auto", "digits", "shapes"],
+    "dataset",
+    "auto",
+    ["auto", "digits", "shapes"],
     "'digits': scikit-learn's 8x8 digits (needs scikit-learn); 'shapes': drawn in the script; "
-    "'auto': digits if scikit-learn is installed, else shapes.")
+    "'auto': digits if scikit-learn is installed, else shapes.",
+)
 flags.DEFINE_integer("num_examples", 3000, "Images to draw for --dataset=shapes.")
 flags.DEFINE_integer("image_size", 16, "Side of the --dataset=shapes images, in pixels.")
 flags.DEFINE_string(
-    "model_dir", os.path.join(tempfile.gettempdir(), "tf_gpipe_image_classifier"),
-    "Where ModelCheckpoint writes best.keras and TensorBoard its logs (model_dir/logs).")
+    "model_dir",
+    os.path.join(tempfile.gettempdir(), "tf_gpipe_image_classifier"),
+    "Where ModelCheckpoint writes best.keras and TensorBoard its logs (model_dir/logs).",
+)
 flags.DEFINE_integer("epochs", 15, "Most epochs to train (EarlyStopping may stop sooner).")
 flags.DEFINE_integer("patience", 3, "EarlyStopping: epochs without a better validation loss.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size (split into --num_micro_batches micro-batches).")
@@ -133,25 +136,31 @@ def tensorboard_callback(log_dir: str):
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        print("Note: the tensorboard package is not installed; writing the epoch scalars with "
-              "tf.summary.write instead of keras.callbacks.TensorBoard.")
+        print(
+            "Note: the tensorboard package is not installed; writing the epoch scalars with "
+            "tf.summary.write instead of keras.callbacks.TensorBoard."
+        )
         from tensorflow.core.framework import summary_pb2
 
         scalars = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+        )
 
         class EpochScalars(keras.callbacks.Callback):
             def __init__(self):
                 super().__init__()
-                self.writers = {run: tf.summary.create_file_writer(os.path.join(log_dir, run))
-                                for run in ("train", "validation")}
+                self.writers = {
+                    run: tf.summary.create_file_writer(os.path.join(log_dir, run))
+                    for run in ("train", "validation")
+                }
 
             def on_epoch_end(self, epoch, logs=None):
                 for key, value in (logs or {}).items():
                     run, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
                     with self.writers[run].as_default():
-                        tf.summary.write("epoch_" + name, tf.constant(float(value)), step=epoch,
-                                         metadata=scalars)
+                        tf.summary.write(
+                            "epoch_" + name, tf.constant(float(value)), step=epoch, metadata=scalars
+                        )
                 for writer in self.writers.values():
                     writer.flush()
 
@@ -187,10 +196,12 @@ def main(argv):
         source = f"drawn shapes ({FLAGS.image_size}x{FLAGS.image_size}: {', '.join(SHAPES)})"
     order = np.random.default_rng(FLAGS.seed).permutation(len(x))
     x, y = x[order], y[order]
-    n_test = int(round(FLAGS.test_fraction * len(x)))
+    n_test = round(FLAGS.test_fraction * len(x))
     x_train, y_train, x_test, y_test = x[n_test:], y[n_test:], x[:n_test], y[:n_test]
-    print(f"Data: {source}; {len(x_train)} training images (of which {FLAGS.validation_split:.0%} "
-          f"validation), {len(x_test)} test images, {len(class_names)} classes.")
+    print(
+        f"Data: {source}; {len(x_train)} training images (of which {FLAGS.validation_split:.0%} "
+        f"validation), {len(x_test)} test images, {len(class_names)} classes."
+    )
 
     layers = build_layers(x.shape[1:], len(class_names), FLAGS.filters, FLAGS.dropout)
     model = tf_gpipe.PipelineModel(layers, name="gpipe_cnn", **pipeline_flags.pipeline_kwargs(FLAGS))
@@ -200,8 +211,10 @@ def main(argv):
         metrics=["accuracy"],
     )
     K, M = model.num_stages, model.num_micro_batches
-    print(f"PipelineModel: K={K} stages, M={M} micro-batches, schedule={model.schedule!r}, "
-          f"remat={model.remat!r}, deferred_batch_norm={model.deferred_batch_norm}")
+    print(
+        f"PipelineModel: K={K} stages, M={M} micro-batches, schedule={model.schedule!r}, "
+        f"remat={model.remat!r}, deferred_batch_norm={model.deferred_batch_norm}"
+    )
     for cell in model.cells:
         print(f"  stage {cell.index} on {cell.device}: {', '.join(layer.name for layer in cell.layers)}")
 
@@ -210,13 +223,15 @@ def main(argv):
     log_dir = os.path.join(FLAGS.model_dir, "logs")
     callbacks = [
         keras.callbacks.ModelCheckpoint(best_path, monitor="val_loss", save_best_only=True),
-        keras.callbacks.EarlyStopping(monitor="val_loss", patience=FLAGS.patience,
-                                      restore_best_weights=True, verbose=1),
+        keras.callbacks.EarlyStopping(
+            monitor="val_loss", patience=FLAGS.patience, restore_best_weights=True, verbose=1
+        ),
         tensorboard_callback(log_dir),
     ]
     start = time.perf_counter()
     history = model.fit(
-        x_train, y_train,
+        x_train,
+        y_train,
         batch_size=FLAGS.batch_size,
         epochs=FLAGS.epochs,
         validation_split=FLAGS.validation_split,
@@ -226,24 +241,32 @@ def main(argv):
     train_seconds = time.perf_counter() - start
     h = history.history
     early_stopping = callbacks[1]
-    print(f"\nTrained {len(h['loss'])} epochs in {train_seconds:.1f} s"
-          + (" (stopped early)" if early_stopping.stopped_epoch else "")
-          + f"; best validation loss at epoch {early_stopping.best_epoch + 1}.")
+    print(
+        f"\nTrained {len(h['loss'])} epochs in {train_seconds:.1f} s"
+        + (" (stopped early)" if early_stopping.stopped_epoch else "")
+        + f"; best validation loss at epoch {early_stopping.best_epoch + 1}."
+    )
     print("  epoch    loss  accuracy  val_loss  val_accuracy")
     for e in range(len(h["loss"])):
-        print(f"  {e + 1:5d}  {h['loss'][e]:6.4f}  {h['accuracy'][e]:8.4f}  "
-              f"{h['val_loss'][e]:8.4f}  {h['val_accuracy'][e]:12.4f}")
+        print(
+            f"  {e + 1:5d}  {h['loss'][e]:6.4f}  {h['accuracy'][e]:8.4f}  "
+            f"{h['val_loss'][e]:8.4f}  {h['val_accuracy'][e]:12.4f}"
+        )
 
     test_loss, test_acc = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    print(f"Test set, with the best epoch's weights (restored by EarlyStopping): loss {test_loss:.4f}, "
-          f"accuracy {test_acc:.4f}")
+    print(
+        f"Test set, with the best epoch's weights (restored by EarlyStopping): loss {test_loss:.4f}, "
+        f"accuracy {test_acc:.4f}"
+    )
 
     # The file ModelCheckpoint wrote at the same epoch loads as a compiled PipelineModel again,
     # stage layout included.
     best = keras.saving.load_model(best_path)
     best_loss, best_acc = best.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    print(f"Reloaded {best_path} ({type(best).__name__}, balance {best.balance}): "
-          f"test loss {best_loss:.4f}, accuracy {best_acc:.4f}")
+    print(
+        f"Reloaded {best_path} ({type(best).__name__}, balance {best.balance}): "
+        f"test loss {best_loss:.4f}, accuracy {best_acc:.4f}"
+    )
 
     summary = {
         "dataset": dataset,

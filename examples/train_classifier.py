@@ -33,21 +33,27 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's C++ start-up chatter
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 
 flags.DEFINE_integer(
-    "virtual_cpus", 4,
+    "virtual_cpus",
+    4,
     "Split the host CPU into this many logical CPU devices before TensorFlow starts, so the "
-    "stages can be placed on different devices of a CPU-only machine. 0 = use the real devices.")
+    "stages can be placed on different devices of a CPU-only machine. 0 = use the real devices.",
+)
 flags.DEFINE_integer("num_stages", 4, "K: number of pipeline stages (the layers are split evenly).")
 flags.DEFINE_integer(
-    "num_micro_batches", 8, "M: micro-batches per mini-batch (GPipe's bubble is small once M >= 4K).")
+    "num_micro_batches", 8, "M: micro-batches per mini-batch (GPipe's bubble is small once M >= 4K)."
+)
 flags.DEFINE_enum(
-    "remat", "always", ["always", "except_last", "never"],
+    "remat",
+    "always",
+    ["always", "except_last", "never"],
     "Re-materialization: keep only each stage's input activations and recompute the rest in the "
-    "backward pass ('always'), for every stage but the last ('except_last'), or not at all.")
+    "backward pass ('always'), for every stage but the last ('except_last'), or not at all.",
+)
 flags.DEFINE_integer("epochs", 20, "Training epochs.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size (split into num_micro_batches micro-batches).")
 flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.")
@@ -60,9 +66,11 @@ flags.DEFINE_float("validation_split", 0.15, "Share of the training data held ou
 flags.DEFINE_float("test_fraction", 0.2, "Share of all examples held out as the final test set.")
 flags.DEFINE_integer("seed", 0, "Seed for the data (numpy) and for Keras' initializers and dropout.")
 flags.DEFINE_string(
-    "model_dir", None,
+    "model_dir",
+    None,
     "If set, save the pipelined model as model_dir/model.keras and the unsplit export "
-    "(model.to_sequential()) as model_dir/sequential.keras.")
+    "(model.to_sequential()) as model_dir/sequential.keras.",
+)
 flags.DEFINE_integer("verbose", 1, "Keras fit verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
 
 
@@ -110,10 +118,12 @@ def main(argv):
     keras.utils.set_random_seed(FLAGS.seed)
 
     x, y = make_spirals(FLAGS.num_examples, FLAGS.num_classes, FLAGS.seed)
-    n_test = int(round(FLAGS.test_fraction * len(x)))
+    n_test = round(FLAGS.test_fraction * len(x))
     x_train, y_train, x_test, y_test = x[n_test:], y[n_test:], x[:n_test], y[:n_test]
-    print(f"Data: {len(x_train)} training examples (of which {FLAGS.validation_split:.0%} validation), "
-          f"{len(x_test)} test examples, {FLAGS.num_classes} classes (spirals).")
+    print(
+        f"Data: {len(x_train)} training examples (of which {FLAGS.validation_split:.0%} validation), "
+        f"{len(x_test)} test examples, {FLAGS.num_classes} classes (spirals)."
+    )
 
     layers = build_layers(FLAGS.num_classes, FLAGS.hidden_units, FLAGS.num_blocks, FLAGS.dropout)
     model = tf_gpipe.PipelineModel(
@@ -130,8 +140,10 @@ def main(argv):
     )
 
     K, M = model.num_stages, model.num_micro_batches
-    print(f"PipelineModel: K={K} stages, M={M} micro-batches, remat={model.remat!r}, "
-          f"bubble fraction (K-1)/(M+K-1) = {tf_gpipe.bubble_fraction(M, K):.3f}")
+    print(
+        f"PipelineModel: K={K} stages, M={M} micro-batches, remat={model.remat!r}, "
+        f"bubble fraction (K-1)/(M+K-1) = {tf_gpipe.bubble_fraction(M, K):.3f}"
+    )
     for cell in model.cells:
         names = ", ".join(layer.name for layer in cell.layers)
         print(f"  stage {cell.index} on {cell.device}: {names}")
@@ -154,13 +166,16 @@ def main(argv):
     print("  epoch    loss  accuracy  val_loss  val_accuracy")
     h = history.history
     for e in range(len(h["loss"])):
-        print(f"  {e + 1:5d}  {h['loss'][e]:6.4f}  {h['accuracy'][e]:8.4f}  "
-              f"{h.get('val_loss', [float('nan')] * (e + 1))[e]:8.4f}  "
-              f"{h.get('val_accuracy', [float('nan')] * (e + 1))[e]:12.4f}")
+        print(
+            f"  {e + 1:5d}  {h['loss'][e]:6.4f}  {h['accuracy'][e]:8.4f}  "
+            f"{h.get('val_loss', [float('nan')] * (e + 1))[e]:8.4f}  "
+            f"{h.get('val_accuracy', [float('nan')] * (e + 1))[e]:12.4f}"
+        )
 
     final_loss, final_acc = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    print(f"\nAfter training ({train_seconds:.1f} s): test loss {final_loss:.4f}, "
-          f"test accuracy {final_acc:.4f}")
+    print(
+        f"\nAfter training ({train_seconds:.1f} s): test loss {final_loss:.4f}, test accuracy {final_acc:.4f}"
+    )
     print(f"Stage devices (model.devices): {model.devices}")
     print(f"Layers per stage (model.balance): {model.balance}")
 
@@ -173,8 +188,10 @@ def main(argv):
         unsplit_logits = sequential.predict(x_test, batch_size=256, verbose=0)
     max_diff = float(np.max(np.abs(pipelined_logits - unsplit_logits)))
     same_labels = bool(np.array_equal(pipelined_logits.argmax(-1), unsplit_logits.argmax(-1)))
-    print(f"Unsplit export (model.to_sequential()): max |logit difference| = {max_diff:.2e}, "
-          f"same predicted classes: {same_labels}")
+    print(
+        f"Unsplit export (model.to_sequential()): max |logit difference| = {max_diff:.2e}, "
+        f"same predicted classes: {same_labels}"
+    )
     if not (same_labels and max_diff < 1e-4):
         raise SystemExit("The exported unsplit model does not reproduce the pipelined predictions.")
 
@@ -187,8 +204,10 @@ def main(argv):
         reloaded = keras.saving.load_model(pipelined_path, compile=False)  # only to predict
         reloaded_logits = reloaded.predict(x_test, batch_size=256, verbose=0)
         reload_diff = float(np.max(np.abs(reloaded_logits - pipelined_logits)))
-        print(f"Saved {pipelined_path} (reloaded: max |logit difference| = {reload_diff:.2e}) "
-              f"and {sequential_path}")
+        print(
+            f"Saved {pipelined_path} (reloaded: max |logit difference| = {reload_diff:.2e}) "
+            f"and {sequential_path}"
+        )
 
     summary = {
         "initial_loss": round(float(initial_loss), 6),

@@ -46,24 +46,26 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's C++ start-up chatter
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags, logging
 
-import tf_gpipe.flags as pipeline_flags  # noqa: E402
+import tf_gpipe.flags as pipeline_flags
 
 FLAGS = flags.FLAGS
 
-pipeline_flags.define_pipeline_flags(
-    defaults={"num_stages": 4, "num_micro_batches": 4, "virtual_cpus": 4}
-)
+pipeline_flags.define_pipeline_flags(defaults={"num_stages": 4, "num_micro_batches": 4, "virtual_cpus": 4})
 flags.DEFINE_string(
-    "model_dir", os.path.join(tempfile.gettempdir(), "tf_gpipe_lm"),
+    "model_dir",
+    os.path.join(tempfile.gettempdir(), "tf_gpipe_lm"),
     "Checkpoints, TensorBoard logs (model_dir/logs) and the exported lm.keras. A run with the "
-    "same model_dir resumes from its last checkpoint.")
+    "same model_dir resumes from its last checkpoint.",
+)
 flags.DEFINE_integer("steps", 480, "Training steps (mini-batches) in all; a multiple of --checkpoint_every.")
 flags.DEFINE_integer(
-    "checkpoint_every", 60,
+    "checkpoint_every",
+    60,
     "Save a checkpoint every this many steps; it is also the length of a Keras epoch (one line "
-    "of the progress bar, one point of the TensorBoard curves).")
+    "of the progress bar, one point of the TensorBoard curves).",
+)
 flags.DEFINE_integer("max_to_keep", 3, "Checkpoints kept in model_dir.")
 flags.DEFINE_integer("batch_size", 32, "Sequences per mini-batch (split into --num_micro_batches).")
 flags.DEFINE_integer("seq_len", 64, "Tokens (characters) per training sequence.")
@@ -80,11 +82,14 @@ flags.DEFINE_integer("sample_length", 300, "Characters to generate with the expo
 flags.DEFINE_float("temperature", 0.7, "Sampling temperature; 0 = greedy (always the likeliest character).")
 flags.DEFINE_string("prompt", "def ", "Text the generated sample starts from.")
 flags.DEFINE_integer(
-    "stop_after_steps", 0,
+    "stop_after_steps",
+    0,
     "Testing aid: end the process abruptly (no checkpoint, no export) once this many steps of "
-    "the whole run are done, as if it had been killed. 0 = off.")
+    "the whole run are done, as if it had been killed. 0 = off.",
+)
 flags.DEFINE_boolean(
-    "print_step_losses", False, "Print 'STEP_LOSS <step> <loss>' after every step, for scripts.")
+    "print_step_losses", False, "Print 'STEP_LOSS <step> <loss>' after every step, for scripts."
+)
 flags.DEFINE_integer("verbose", 1, "Keras fit verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
 
 flags.register_validator("steps", lambda v: v >= 1, "--steps must be >= 1")
@@ -92,17 +97,34 @@ flags.register_validator("checkpoint_every", lambda v: v >= 1, "--checkpoint_eve
 flags.register_multi_flags_validator(
     ["steps", "checkpoint_every"],
     lambda f: f["steps"] % f["checkpoint_every"] == 0,
-    "--steps must be a multiple of --checkpoint_every (one Keras epoch is --checkpoint_every steps)")
+    "--steps must be a multiple of --checkpoint_every (one Keras epoch is --checkpoint_every steps)",
+)
 flags.register_multi_flags_validator(
     ["d_model", "num_heads"],
     lambda f: f["num_heads"] >= 1 and f["d_model"] % f["num_heads"] == 0,
-    "--d_model must be divisible by --num_heads")
+    "--d_model must be divisible by --num_heads",
+)
 
 # Standard-library modules present in every CPython 3.8 to 3.13, read in this order.
 CORPUS_MODULES = (
-    "argparse.py", "bisect.py", "calendar.py", "contextlib.py", "copy.py", "dataclasses.py",
-    "fnmatch.py", "fractions.py", "functools.py", "heapq.py", "pprint.py", "queue.py",
-    "random.py", "shutil.py", "statistics.py", "string.py", "tempfile.py", "textwrap.py",
+    "argparse.py",
+    "bisect.py",
+    "calendar.py",
+    "contextlib.py",
+    "copy.py",
+    "dataclasses.py",
+    "fnmatch.py",
+    "fractions.py",
+    "functools.py",
+    "heapq.py",
+    "pprint.py",
+    "queue.py",
+    "random.py",
+    "shutil.py",
+    "statistics.py",
+    "string.py",
+    "tempfile.py",
+    "textwrap.py",
 )
 # Newline and printable ASCII; anything else (tabs aside) reads as "?".
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))
@@ -172,8 +194,12 @@ def define_layers():
             return tuple(input_shape) + (self.d_model,)
 
         def get_config(self):
-            return {**super().get_config(), "vocab_size": self.vocab_size,
-                    "max_len": self.max_len, "d_model": self.d_model}
+            return {
+                **super().get_config(),
+                "vocab_size": self.vocab_size,
+                "max_len": self.max_len,
+                "d_model": self.d_model,
+            }
 
     @keras.saving.register_keras_serializable(package="gpipe_lm")
     class TransformerBlock(keras.layers.Layer):
@@ -191,7 +217,8 @@ def define_layers():
             self.d_model, self.num_heads, self.mlp_dim, self.dropout = d_model, num_heads, mlp_dim, dropout
             self.attention_norm = keras.layers.LayerNormalization(epsilon=1e-5, name="attention_norm")
             self.attention = keras.layers.MultiHeadAttention(
-                num_heads, d_model // num_heads, dropout=dropout, name="attention")
+                num_heads, d_model // num_heads, dropout=dropout, name="attention"
+            )
             self.attention_dropout = keras.layers.Dropout(dropout, name="attention_dropout")
             self.mlp_norm = keras.layers.LayerNormalization(epsilon=1e-5, name="mlp_norm")
             self.mlp_in = keras.layers.Dense(mlp_dim, activation="gelu", name="mlp_in")
@@ -216,14 +243,20 @@ def define_layers():
             return input_shape
 
         def get_config(self):
-            return {**super().get_config(), "d_model": self.d_model, "num_heads": self.num_heads,
-                    "mlp_dim": self.mlp_dim, "dropout": self.dropout}
+            return {
+                **super().get_config(),
+                "d_model": self.d_model,
+                "num_heads": self.num_heads,
+                "mlp_dim": self.mlp_dim,
+                "dropout": self.dropout,
+            }
 
     return TokenAndPositionEmbedding, TransformerBlock
 
 
-def build_layers(vocab_size: int, seq_len: int, num_layers: int, d_model: int, num_heads: int,
-                 mlp_dim: int, dropout: float):
+def build_layers(
+    vocab_size: int, seq_len: int, num_layers: int, d_model: int, num_heads: int, mlp_dim: int, dropout: float
+):
     """A plain list of Keras layers: the same list would make a keras.Sequential."""
     import keras
 
@@ -232,10 +265,13 @@ def build_layers(vocab_size: int, seq_len: int, num_layers: int, d_model: int, n
         keras.layers.InputLayer(shape=(seq_len,), dtype="int32", name="token_ids"),
         TokenAndPositionEmbedding(vocab_size, seq_len, d_model, name="embedding"),
     ]
-    layers += [TransformerBlock(d_model, num_heads, mlp_dim, dropout, name=f"block_{i}")
-               for i in range(num_layers)]
-    layers += [keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm"),
-               keras.layers.Dense(vocab_size, name="logits")]
+    layers += [
+        TransformerBlock(d_model, num_heads, mlp_dim, dropout, name=f"block_{i}") for i in range(num_layers)
+    ]
+    layers += [
+        keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm"),
+        keras.layers.Dense(vocab_size, name="logits"),
+    ]
     return layers
 
 
@@ -248,8 +284,11 @@ def make_dataset(tokens, start_step: int, end_step: int, batch_size: int, seq_le
 
     def batch(step):
         offsets = tf.random.stateless_uniform(
-            [batch_size], seed=tf.stack([tf.cast(seed, tf.int64), step]),
-            maxval=len(tokens) - seq_len - 1, dtype=tf.int32)
+            [batch_size],
+            seed=tf.stack([tf.cast(seed, tf.int64), step]),
+            maxval=len(tokens) - seq_len - 1,
+            dtype=tf.int32,
+        )
         windows = tf.gather(corpus, offsets[:, None] + span[None, :])
         return windows[:, :-1], windows[:, 1:]
 
@@ -261,7 +300,7 @@ def held_out(tokens, seq_len: int, count: int = 64):
     import numpy as np
 
     starts = np.linspace(0, len(tokens) - seq_len - 1, count).astype("int64")
-    windows = np.stack([tokens[s:s + seq_len + 1] for s in starts])
+    windows = np.stack([tokens[s : s + seq_len + 1] for s in starts])
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -276,14 +315,16 @@ def summary_writer_helpers(log_dir: str):
 
     def metadata(plugin):
         return summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=plugin))
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=plugin)
+        )
 
     writer = tf.summary.create_file_writer(log_dir)
 
     def scalar(tag, value, step):
         with writer.as_default():
-            tf.summary.write(tag, tf.constant(float(value), tf.float32), step=step,
-                             metadata=metadata("scalars"))
+            tf.summary.write(
+                tag, tf.constant(float(value), tf.float32), step=step, metadata=metadata("scalars")
+            )
         writer.flush()
 
     def text(tag, value, step=0):
@@ -362,8 +403,10 @@ def tensorboard_callback(log_dir: str):
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        print("Note: the tensorboard package is not installed; writing the epoch scalars with "
-              "tf.summary.write instead of keras.callbacks.TensorBoard.")
+        print(
+            "Note: the tensorboard package is not installed; writing the epoch scalars with "
+            "tf.summary.write instead of keras.callbacks.TensorBoard."
+        )
 
         class EpochScalars(keras.callbacks.Callback):
             def __init__(self):
@@ -448,17 +491,27 @@ def main(argv):
     split = int(len(tokens) * 0.95)
     train_tokens, val_tokens = tokens[:split], tokens[split:]
     x_val, y_val = held_out(val_tokens, FLAGS.seq_len)
-    print(f"Corpus: {len(text) / 1000:.0f} kB of Python standard-library source "
-          f"({len(train_tokens)} training characters, {len(val_tokens)} held out), "
-          f"vocabulary of {len(VOCAB)} characters.")
+    print(
+        f"Corpus: {len(text) / 1000:.0f} kB of Python standard-library source "
+        f"({len(train_tokens)} training characters, {len(val_tokens)} held out), "
+        f"vocabulary of {len(VOCAB)} characters."
+    )
 
-    layers = build_layers(len(VOCAB), FLAGS.seq_len, FLAGS.num_layers, FLAGS.d_model,
-                          FLAGS.num_heads, FLAGS.mlp_dim, FLAGS.dropout)
+    layers = build_layers(
+        len(VOCAB),
+        FLAGS.seq_len,
+        FLAGS.num_layers,
+        FLAGS.d_model,
+        FLAGS.num_heads,
+        FLAGS.mlp_dim,
+        FLAGS.dropout,
+    )
     settings = pipeline_flags.pipeline_kwargs(FLAGS)
     model = tf_gpipe.PipelineModel(layers, name="gpipe_lm", **settings)
     warmup = min(FLAGS.warmup_steps, FLAGS.steps // 2)
     schedule = keras.optimizers.schedules.CosineDecay(
-        0.0, FLAGS.steps - warmup, alpha=0.1, warmup_target=FLAGS.learning_rate, warmup_steps=warmup)
+        0.0, FLAGS.steps - warmup, alpha=0.1, warmup_target=FLAGS.learning_rate, warmup_steps=warmup
+    )
     optimizer = keras.optimizers.Adam(schedule, global_clipnorm=1.0)
     model.compile(
         optimizer=optimizer,
@@ -469,9 +522,11 @@ def main(argv):
 
     K, M = model.num_stages, model.num_micro_batches
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    print(f"PipelineModel: {params:,} parameters, K={K} stages, M={M} micro-batches "
-          f"(micro-batch of {math.ceil(FLAGS.batch_size / M)} sequences), schedule={model.schedule!r}, "
-          f"remat={model.remat!r}, bubble (K-1)/(M+K-1) = {tf_gpipe.bubble_fraction(M, K):.3f}")
+    print(
+        f"PipelineModel: {params:,} parameters, K={K} stages, M={M} micro-batches "
+        f"(micro-batch of {math.ceil(FLAGS.batch_size / M)} sequences), schedule={model.schedule!r}, "
+        f"remat={model.remat!r}, bubble (K-1)/(M+K-1) = {tf_gpipe.bubble_fraction(M, K):.3f}"
+    )
     for cell in model.cells:
         print(f"  stage {cell.index} on {cell.device}: {', '.join(layer.name for layer in cell.layers)}")
 
@@ -481,10 +536,12 @@ def main(argv):
     # tf.train.Checkpoint(model) nor save_weights reaches the SeedGenerators (model.weights
     # leaves them out); model.variables has them.
     step_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step_var,
-                                     variables=list(model.variables))
+    checkpoint = tf.train.Checkpoint(
+        model=model, optimizer=optimizer, step=step_var, variables=list(model.variables)
+    )
     manager = tf.train.CheckpointManager(
-        checkpoint, os.path.join(FLAGS.model_dir, "checkpoints"), max_to_keep=FLAGS.max_to_keep)
+        checkpoint, os.path.join(FLAGS.model_dir, "checkpoints"), max_to_keep=FLAGS.max_to_keep
+    )
     start_step = 0
     if manager.latest_checkpoint:
         checkpoint.restore(manager.latest_checkpoint).assert_existing_objects_matched()
@@ -493,19 +550,28 @@ def main(argv):
             raise SystemExit(
                 f"{manager.latest_checkpoint} is at step {start_step}, which does not fit "
                 f"--steps={FLAGS.steps} --checkpoint_every={FLAGS.checkpoint_every}: resume with the "
-                "flags of the interrupted run, or use a new --model_dir.")
+                "flags of the interrupted run, or use a new --model_dir."
+            )
         print(f"Resuming from {manager.latest_checkpoint} (step {start_step} of {FLAGS.steps}).")
 
     log_dir = os.path.join(FLAGS.model_dir, "logs")
     _, write_text = summary_writer_helpers(log_dir)
-    described = {**settings, "devices": model.devices, "balance": model.balance,
-                 "batch_size": FLAGS.batch_size, "seq_len": FLAGS.seq_len}
-    write_text("pipeline_settings", "\n\n".join(f"**{k}**: `{v}`" for k, v in described.items()),
-               step=start_step)
+    described = {
+        **settings,
+        "devices": model.devices,
+        "balance": model.balance,
+        "batch_size": FLAGS.batch_size,
+        "seq_len": FLAGS.seq_len,
+    }
+    write_text(
+        "pipeline_settings", "\n\n".join(f"**{k}**: `{v}`" for k, v in described.items()), step=start_step
+    )
 
     initial_val_loss = model.evaluate(x_val, y_val, batch_size=len(x_val), verbose=0)[0]
-    print(f"Held-out loss before training: {initial_val_loss:.4f} "
-          f"({initial_val_loss / math.log(2):.3f} bits per character)")
+    print(
+        f"Held-out loss before training: {initial_val_loss:.4f} "
+        f"({initial_val_loss / math.log(2):.3f} bits per character)"
+    )
 
     history = {}
     train_seconds = 0.0
@@ -513,8 +579,7 @@ def main(argv):
         callbacks = make_callbacks(model, FLAGS.seq_len, manager, step_var, log_dir)
         start = time.perf_counter()
         result = model.fit(
-            make_dataset(train_tokens, start_step, FLAGS.steps, FLAGS.batch_size, FLAGS.seq_len,
-                         FLAGS.seed),
+            make_dataset(train_tokens, start_step, FLAGS.steps, FLAGS.batch_size, FLAGS.seq_len, FLAGS.seed),
             epochs=FLAGS.steps // FLAGS.checkpoint_every,
             initial_epoch=start_step // FLAGS.checkpoint_every,
             steps_per_epoch=FLAGS.checkpoint_every,
@@ -531,17 +596,23 @@ def main(argv):
         first_epoch = start_step // FLAGS.checkpoint_every
         for i, loss in enumerate(history["loss"]):
             step = (first_epoch + i + 1) * FLAGS.checkpoint_every
-            print(f"  {step:5d}  {loss:10.4f}  {history['val_loss'][i]:13.4f}  "
-                  f"{history.get('tokens_per_sec', [float('nan')] * (i + 1))[i]:8.0f}")
-        print(f"Checkpoints kept: {', '.join(os.path.basename(p) for p in manager.checkpoints)} "
-              f"in {manager.directory}")
+            print(
+                f"  {step:5d}  {loss:10.4f}  {history['val_loss'][i]:13.4f}  "
+                f"{history.get('tokens_per_sec', [float('nan')] * (i + 1))[i]:8.0f}"
+            )
+        print(
+            f"Checkpoints kept: {', '.join(os.path.basename(p) for p in manager.checkpoints)} "
+            f"in {manager.directory}"
+        )
     else:
         print(f"Training already complete at step {start_step}: exporting and sampling only.")
 
     final_val_loss = model.evaluate(x_val, y_val, batch_size=len(x_val), verbose=0)[0]
-    print(f"\nHeld-out loss after training: {final_val_loss:.4f} "
-          f"({final_val_loss / math.log(2):.3f} bits per character)"
-          + (f"; trained {FLAGS.steps - start_step} steps in {train_seconds:.1f} s" if history else ""))
+    print(
+        f"\nHeld-out loss after training: {final_val_loss:.4f} "
+        f"({final_val_loss / math.log(2):.3f} bits per character)"
+        + (f"; trained {FLAGS.steps - start_step} steps in {train_seconds:.1f} s" if history else "")
+    )
 
     # Train pipelined, serve unsplit: same layers and weights, no placement, no micro-batches.
     export_path = os.path.join(FLAGS.model_dir, "lm.keras")
@@ -550,13 +621,16 @@ def main(argv):
     with tf_gpipe.exact_float32():  # no TF32 on GPUs: compare the same float32 arithmetic
         pipelined_logits = model(x_val[:8], training=False).numpy()
         diff = float(np.max(np.abs(pipelined_logits - exported(x_val[:8], training=False).numpy())))
-    print(f"Exported the unsplit model to {export_path}; reloaded, its logits differ from the "
-          f"pipelined model's by at most {diff:.2e}.")
+    print(
+        f"Exported the unsplit model to {export_path}; reloaded, its logits differ from the "
+        f"pipelined model's by at most {diff:.2e}."
+    )
     if diff > 1e-4:
         raise SystemExit("The exported model does not reproduce the pipelined model.")
 
-    sample_ids = generate(exported, encode(FLAGS.prompt), FLAGS.sample_length, FLAGS.seq_len,
-                          FLAGS.temperature, FLAGS.seed)
+    sample_ids = generate(
+        exported, encode(FLAGS.prompt), FLAGS.sample_length, FLAGS.seq_len, FLAGS.temperature, FLAGS.seed
+    )
     sample = decode(sample_ids)
     how = "greedy" if FLAGS.temperature <= 0 else f"temperature {FLAGS.temperature}"
     print(f"\nSample from the exported model ({how}):\n{'-' * 60}\n{sample}\n{'-' * 60}")

@@ -14,7 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # which only the BFC allocator keeps; child processes inherit the setting.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 NUM_DEVICES = 4
 

@@ -213,7 +213,7 @@ def test_sample_errors():
         by_params([keras.layers.Dense(2)], keras.KerasTensor((None, None, 3)))
     with pytest.raises(TypeError, match=r"pass \[layer\]"):
         by_params(keras.layers.Dense(2), (2, 3))
-    with pytest.raises(ValueError, match="layers\\[1\\] .*'bad'"):
+    with pytest.raises(ValueError, match=r"layers\[1\] .*'bad'"):
         by_params([keras.layers.Dense(2), keras.layers.Reshape((5,), name="bad")], (2, 3))
 
 

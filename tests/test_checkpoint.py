@@ -1,5 +1,7 @@
 """Re-materialization replays the exact forward pass and applies side effects once."""
 
+from typing import ClassVar
+
 import keras
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ def _grads_for(remat, x, y, in_function, K=3, M=4):
     keras.backend.clear_session()
     pm = tf_gpipe.PipelineModel(dropout_bn_layers(), num_stages=K, num_micro_batches=M, remat=remat)
     pm.build((None, 8))
+
     def fn(a, b):
         return loss_and_grads(pm, a, b)
 
@@ -104,7 +107,7 @@ def test_batchnorm_updated_once_matches_unsplit_with_one_micro_batch():
 class _CountCalls(keras.layers.Layer):
     """Counts forward passes in a variable, and records is_recomputing() while tracing."""
 
-    seen: list = []
+    seen: ClassVar[list] = []
 
     def build(self, input_shape):
         self.count = self.add_weight(shape=(), initializer="zeros", trainable=False, name="count")

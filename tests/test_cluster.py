@@ -40,8 +40,13 @@ class Client:
         env = dict(os.environ, TF_CONFIG=local.tf_config, TF_CPP_MIN_LOG_LEVEL="2")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, str(CLIENT), *args], cwd=ROOT, env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [sys.executable, str(CLIENT), *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         self.lines: list = []
         self._queue: queue.Queue = queue.Queue()
@@ -110,8 +115,17 @@ def first_run(workers, tmp_path_factory):
     """One client for the equivalence check and then the first half of the crash test:
     starting TensorFlow is most of a client's cost, so they share a process."""
     tmp = tmp_path_factory.mktemp("first_run")
-    client = Client(workers, "equivalence", "replicated", *TRAIN, f"--equivalence_stages={STAGES}",
-                    f"--ckpt={tmp / 'ckpt'}", "--epochs=4", "--pause_after=2", f"--go_file={tmp / 'go'}")
+    client = Client(
+        workers,
+        "equivalence",
+        "replicated",
+        *TRAIN,
+        f"--equivalence_stages={STAGES}",
+        f"--ckpt={tmp / 'ckpt'}",
+        "--epochs=4",
+        "--pause_after=2",
+        f"--go_file={tmp / 'go'}",
+    )
     workers.start()  # the workers start while the client imports TensorFlow
     try:
         yield client, tmp
@@ -200,17 +214,23 @@ def test_data_x_pipeline_in_one_process(cpu_devices):
 
     def make():
         keras.utils.set_random_seed(3)
-        return [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(16, activation="tanh"),
-                keras.layers.Dense(3)]
+        return [
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
 
-    rp = cluster.ReplicatedPipeline(make, [cpu_devices[0:2], cpu_devices[2:4]], input_shape=(None, 8),
-                                    num_micro_batches=2)
+    rp = cluster.ReplicatedPipeline(
+        make, [cpu_devices[0:2], cpu_devices[2:4]], input_shape=(None, 8), num_micro_batches=2
+    )
     one = tf_gpipe.PipelineModel(make(), devices=cpu_devices[0:2], num_micro_batches=2)
     one.build((None, 8))
     one.set_weights(rp.replicas[0].get_weights())
     for model in (rp, one):
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     rp.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)  # 16 examples per replica
     one.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     w0, w1 = rp.replicas[0].get_weights(), rp.replicas[1].get_weights()
@@ -246,8 +266,9 @@ def test_dead_worker_clear_error_then_resume_matches_uninterrupted_run(workers, 
     # round, the client could connect while the worker was still coming up and fail with
     # UnavailableError in training: seen once in CI.)
     workers.restart(1)
-    run2 = Client(workers, *TRAIN, f"--ckpt={ckpt}", "--epochs=4",
-                  f"--reference_ckpt={tmp_path / 'reference'}")
+    run2 = Client(
+        workers, *TRAIN, f"--ckpt={ckpt}", "--epochs=4", f"--reference_ckpt={tmp_path / 'reference'}"
+    )
     assert run2.wait(180) == 0, run2.output[-4000:]
     s = run2.summary("train")
     assert s["restored_epoch"] == 2
@@ -259,8 +280,15 @@ def test_dead_worker_clear_error_then_resume_matches_uninterrupted_run(workers, 
 
 def test_hung_worker_ends_the_client_in_bounded_time(workers, tmp_path):
     go = tmp_path / "go"
-    client = Client(workers, *TRAIN, f"--ckpt={tmp_path / 'ckpt'}",
-                    "--epochs=3", "--pause_after=1", f"--go_file={go}", "--grace=3")
+    client = Client(
+        workers,
+        *TRAIN,
+        f"--ckpt={tmp_path / 'ckpt'}",
+        "--epochs=3",
+        "--pause_after=1",
+        f"--go_file={go}",
+        "--grace=3",
+    )
     workers.start()  # restarts any worker a test above broke, while the client starts
     client.wait_for("PAUSED", 150)
     os.kill(workers.pid(0), signal.SIGSTOP)  # alive but silent: TCP still accepts, nothing answers

@@ -33,7 +33,7 @@ def _run(args, timeout=180):
 def _summary(stdout):
     lines = [line for line in stdout.splitlines() if line.startswith("SUMMARY ")]
     assert lines, f"no SUMMARY line in the output:\n{stdout[-3000:]}"
-    return json.loads(lines[-1][len("SUMMARY "):])
+    return json.loads(lines[-1][len("SUMMARY ") :])
 
 
 def test_train_classifier_short_run_learns_and_exports(tmp_path):

@@ -88,9 +88,7 @@ def test_1f1b_with_sum_reduction():
 
 def test_1f1b_refuses_a_loss_it_cannot_split():
     pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=2, schedule="1f1b")
-    loss = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="mean_with_sample_weight"
-    )
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
     _compile(pm, loss=loss)
     x, y = data(8)
     with pytest.raises(ValueError, match="schedule='gpipe'"):

@@ -81,8 +81,11 @@ def test_all_flags_are_defined_with_help():
     + [(m, m) for m in pipeline_flags.BALANCE_METHODS],
 )
 def test_balance_values(text, expected):
-    fv = _parse([f"--balance={text}", "--num_stages=2"] if text in pipeline_flags.BALANCE_METHODS
-                else [f"--balance={text}"])
+    fv = _parse(
+        [f"--balance={text}", "--num_stages=2"]
+        if text in pipeline_flags.BALANCE_METHODS
+        else [f"--balance={text}"]
+    )
     assert pipeline_flags.pipeline_kwargs(fv)["balance"] == expected
 
 
@@ -147,8 +150,9 @@ def test_enums_name_the_flag():
     assert "--schedule" in _error(["--schedule=pipedream"])
 
 
-@pytest.mark.parametrize("args", [["--num_micro_batches=0"], ["--num_stages=0"], ["--virtual_stages=0"],
-                                  ["--virtual_cpus=-1"]])
+@pytest.mark.parametrize(
+    "args", [["--num_micro_batches=0"], ["--num_stages=0"], ["--virtual_stages=0"], ["--virtual_cpus=-1"]]
+)
 def test_bounds_name_the_flag(args):
     assert args[0].split("=")[0] in _error(args)
 
@@ -172,8 +176,15 @@ def test_balance_entries_must_cover_virtual_stages():
 
 
 def test_flags_build_a_model_that_trains():
-    fv = _parse(["--num_stages=2", "--num_micro_batches=3", "--remat=except_last", "--schedule=1f1b",
-                 "--nodeferred_batch_norm"])
+    fv = _parse(
+        [
+            "--num_stages=2",
+            "--num_micro_batches=3",
+            "--remat=except_last",
+            "--schedule=1f1b",
+            "--nodeferred_batch_norm",
+        ]
+    )
     model = tf_gpipe.PipelineModel(_layers(), **pipeline_flags.pipeline_kwargs(fv))
     settings = (model.num_stages, model.num_micro_batches, model.remat, model.schedule)
     assert settings == (2, 3, "except_last", "1f1b")

@@ -7,6 +7,7 @@ import tensorflow as tf
 from helpers import assert_all_close
 
 import tf_gpipe
+from tf_gpipe import graph
 from tf_gpipe.graph import graph_nodes
 
 
@@ -225,3 +226,17 @@ def test_from_model_balances_by_every_method():
         assert_all_close([ref(x)], [pm(x)])
     with pytest.raises(ValueError, match="'flops'"):
         tf_gpipe.PipelineModel.from_model(model, num_stages=2, balance="flops")
+
+
+def test_node_costs_leave_no_side_effects():
+    """Timing runs every node in training mode: BatchNorm statistics and Dropout seeds are put back."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(8)(inp)
+    h = keras.layers.Dropout(0.5, seed=1)(keras.layers.BatchNormalization()(h))
+    model = keras.Model(inp, keras.layers.Add()([inp, h]))
+    before = [v.numpy().copy() for v in model.variables]
+    costs = graph.node_costs(model, "time", batch_size=4, repeats=1)
+    assert len(costs) == len(graph_nodes(model)) and all(c > 0 for c in costs)
+    for a, v in zip(before, model.variables):
+        np.testing.assert_array_equal(a, v.numpy())

@@ -1,5 +1,6 @@
 """tf_gpipe.timeline: recorded spans follow the schedule; stashes; Chrome trace; Gantt PNG."""
 
+import itertools
 import json
 import time
 
@@ -73,7 +74,7 @@ def test_gpipe_spans_follow_schedule_order(remat):
     # a device runs one action at a time
     for d in range(K):
         mine = sorted((s for s in spans if s.device == d), key=lambda s: s.start)
-        for a, b in zip(mine, mine[1:]):
+        for a, b in itertools.pairwise(mine):
             assert a.end <= b.start + 1e-6
 
 

@@ -6,10 +6,10 @@ whole mini-batch, so that after a step they equal what the unsplit model
 computes. Keras' BatchNormalization would instead move them once per
 micro-batch (momentum applied M times, each from a smaller sample).
 
-Each BatchNormalization layer of a stage (nested ones included) has its
-``_moments`` wrapped for the duration of a training forward: the micro-batch
-mean and variance it computes are recorded with their element count, and its
-own moving-statistics writes are dropped. After the last micro-batch the
+Each BatchNormalization layer of a stage (nested ones included) is observed
+(``keras_compat.observe_batch_norm_moments``) for the duration of a training
+forward: the micro-batch mean and variance it computes are recorded with their
+element count, and its own moving-statistics writes are dropped. After the last micro-batch the
 recorded moments are pooled (sum of counts, means, and second moments) and
 applied in one update with the layer's momentum.
 """
@@ -22,6 +22,8 @@ from typing import Any, Dict, Iterator, List, Sequence, Set
 import keras
 import tensorflow as tf
 
+from tf_gpipe import keras_compat
+
 __all__ = ["DeferredStats", "batch_norm_layers"]
 
 
@@ -30,7 +32,7 @@ def batch_norm_layers(layers: Sequence[keras.layers.Layer]) -> List[keras.layers
     found: List[keras.layers.BatchNormalization] = []
     seen: Set[int] = set()
     for layer in layers:
-        for sub in layer._flatten_layers(include_self=True):
+        for sub in keras_compat.nested_layers(layer):
             if isinstance(sub, keras.layers.BatchNormalization) and not sub.renorm and id(sub) not in seen:
                 seen.add(id(sub))
                 found.append(sub)
@@ -66,26 +68,18 @@ class DeferredStats:
         ``nonempty`` (a boolean tensor, or None for True) is False for a padded
         micro-batch: its stand-in example must not count.
         """
-        originals = []
-        for bn in layers:
-            original = bn._moments
+        with contextlib.ExitStack() as stack:
+            for bn in layers:
 
-            def recording(inputs, mask, _bn=bn, _original=original):
-                mean, variance = _original(inputs, mask)
-                count = _count(inputs, mask, _bn._reduction_axes)
-                count = tf.reshape(count, tf.shape(mean)) if mask is not None else count
-                if nonempty is not None:
-                    count = tf.where(nonempty, count, tf.zeros_like(count))
-                self._add(_bn, count, mean, variance)
-                return mean, variance
+                def record(inputs, mask, mean, variance, _bn=bn):
+                    count = _count(inputs, mask, keras_compat.batch_norm_reduction_axes(_bn))
+                    count = tf.reshape(count, tf.shape(mean)) if mask is not None else count
+                    if nonempty is not None:
+                        count = tf.where(nonempty, count, tf.zeros_like(count))
+                    self._add(_bn, count, mean, variance)
 
-            bn._moments = recording
-            originals.append((bn, original))
-        try:
+                stack.enter_context(keras_compat.observe_batch_norm_moments(bn, record))
             yield
-        finally:
-            for bn, original in originals:
-                bn._moments = original
 
     def _add(self, bn, count, mean, variance) -> None:
         # Sums of n, n*mean and n*(variance + mean^2); an empty micro-batch (NaN moments,

@@ -8,8 +8,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
-from keras.src import backend as _kbackend
-from keras.src.backend.common import global_state as _global_state
+
+from tf_gpipe import keras_compat
 
 __all__ = ["Cell"]
 
@@ -23,13 +23,8 @@ def _eager_build_scope(device: str) -> Iterator[None]:
     later, outside any device scope, and land on the default device; building
     under ``tf.init_scope`` with no stateless scope puts them where they belong.
     """
-    saved = _global_state.get_global_attribute("stateless_scope")
-    _global_state.set_global_attribute("stateless_scope", None)
-    try:
-        with tf.init_scope(), tf.device(device):
-            yield
-    finally:
-        _global_state.set_global_attribute("stateless_scope", saved)
+    with keras_compat.suspend_stateless_scope(), tf.init_scope(), tf.device(device):
+        yield
 
 
 def _call_parameters(layer: keras.layers.Layer) -> set:
@@ -48,9 +43,9 @@ def _layer_kwargs(
     if side:
         wanted = _call_parameters(layer)
         kwargs.update({k: v for k, v in side.items() if k in wanted})
-    if getattr(layer, "_call_has_mask_arg", False):
+    if keras_compat.call_takes_mask(layer):
         kwargs["mask"] = mask
-    if getattr(layer, "_call_has_training_arg", False) and training is not None:
+    if keras_compat.call_takes_training(layer) and training is not None:
         kwargs["training"] = training
     return kwargs
 
@@ -109,7 +104,7 @@ class Cell:
                         f"tf_gpipe: building layer {layer.name!r} of stage {self.index} "
                         f"on inputs {spec} failed: {e}"
                     ) from e
-                mask = tf.nest.map_structure(_kbackend.get_keras_mask, x)
+                mask = tf.nest.map_structure(keras_compat.get_keras_mask, x)
                 _move_variables(layer, self.device)
         return x
 
@@ -126,7 +121,7 @@ class Cell:
             _attach_mask(x, mask)
         for layer in self.layers:
             x = layer(x, **_layer_kwargs(layer, mask, training, side))
-            mask = tf.nest.map_structure(_kbackend.get_keras_mask, x)
+            mask = tf.nest.map_structure(keras_compat.get_keras_mask, x)
         if all(m is None for m in tf.nest.flatten(mask)):
             mask = None
         return x, mask
@@ -152,25 +147,24 @@ def _move_variables(layer: keras.layers.Layer, device: str) -> None:
     """
     target = tf.DeviceSpec.from_string(device)
     for v in layer.variables:
-        raw = getattr(v, "_value", None)
+        raw = keras_compat.backing_variable(v)
         if not isinstance(raw, tf.Variable) or _on_device(raw.device, target):
             continue
         with _eager_build_scope(device):
-            v._value = tf.Variable(
+            moved = tf.Variable(
                 raw.read_value(),
                 trainable=raw.trainable,
                 name=raw.name.split(":")[0],
                 aggregation=raw.aggregation,
                 synchronization=raw.synchronization,
             )
+        keras_compat.set_backing_variable(v, moved)
 
 
 def _attach_mask(x: Any, mask: Any) -> None:
+    # Never swallow an error here: a stage would silently stop passing masks on.
     xs, ms = tf.nest.flatten(x), tf.nest.flatten(mask)
     if len(xs) == len(ms):
         for t, m in zip(xs, ms):
             if m is not None:
-                try:
-                    _kbackend.set_keras_mask(t, m)
-                except AttributeError:
-                    pass
+                keras_compat.set_keras_mask(t, m)

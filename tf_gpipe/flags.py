@@ -155,7 +155,7 @@ def define_pipeline_flags(
             f"tf_gpipe.flags: unknown flag names in defaults: {unknown}; the pipeline flags are "
             f"{list(FLAG_NAMES)}."
         )
-    d = {
+    d: Dict[str, Any] = {
         "num_stages": None,
         "num_micro_batches": 1,
         "devices": None,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 import keras
-from keras.src import tree
-from keras.src.models.functional import operation_fn
+from keras import tree
 
+from tf_gpipe import keras_compat
 from tf_gpipe.partition import check_tied_layers
 
 __all__ = ["GraphStage", "graph_nodes", "split_graph"]
@@ -15,17 +15,13 @@ __all__ = ["GraphStage", "graph_nodes", "split_graph"]
 
 def graph_nodes(model: keras.Model) -> list:
     """The model's computation nodes in the order Keras runs them (inputs excluded)."""
-    if not hasattr(model, "_nodes_by_depth"):
+    nodes = keras_compat.functional_nodes(model)
+    if nodes is None:
         raise TypeError(
             f"tf_gpipe: from_model needs a functional Keras model (keras.Model(inputs, outputs)) "
             f"or a keras.Sequential; got {type(model).__name__}. Subclassed models have no graph "
             "to cut: pass their layers as a list to PipelineModel instead."
         )
-    nodes = []
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
-            if node.operation is not None and not node.is_input:
-                nodes.append(node)
     return nodes
 
 
@@ -65,18 +61,18 @@ class GraphStage(keras.layers.Layer):
     def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
         source = self._source()
         if self._first:
-            flat = source._standardize_inputs(inputs)
+            flat = keras_compat.standardize_inputs(source, inputs)
             values = {id(x): y for x, y in zip(source.inputs, flat)}
         else:
             values = {self._in_keys[k]: v for k, v in inputs.items()}
         for node in self._nodes:
-            args, kwargs = node.arguments.fill_in(values)
-            outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
+            args, kwargs = keras_compat.node_arguments(node, values)
+            outputs = keras_compat.operation_caller(node.operation, training)(*args, **kwargs)
             for x, y in zip(node.outputs, tree.flatten(outputs)):
                 values[id(x)] = y
         if self._last:
             outs = [values[id(x)] for x in source.outputs]
-            packed = tree.pack_sequence_as(source._outputs_struct, outs)
+            packed = tree.pack_sequence_as(keras_compat.outputs_structure(source), outs)
             return packed[0] if isinstance(packed, list) and len(packed) == 1 else packed
         return {k: values[i] for k, i in self._out_keys.items()}
 
@@ -141,13 +137,10 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
     zero batch of ``batch_size``, median of ``repeats`` calls (BatchNorm statistics
     and dropout seeds are put back after).
     """
-    import statistics
-    import time
-
     import numpy as np
     import tensorflow as tf
 
-    from tf_gpipe.balance import _sandbox
+    from tf_gpipe.balance.profile import _median_times, _sandbox
 
     nodes = graph_nodes(model)
     seen: set = set()
@@ -179,8 +172,8 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
     ops = [n.operation for n in nodes if isinstance(n.operation, keras.layers.Layer)]
     with _sandbox(ops):
         for node in nodes:
-            args, kwargs = node.arguments.fill_in(values)
-            call = operation_fn(node.operation, training=True)
+            args, kwargs = keras_compat.node_arguments(node, values)
+            call = keras_compat.operation_caller(node.operation, True)
             outputs = call(*args, **kwargs)
             for x, y in zip(node.outputs, tree.flatten(outputs)):
                 values[id(x)] = y
@@ -198,10 +191,5 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
                     [loss] + [tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None]
                 )
 
-            steps.append((tf.function(step, autograph=False), []))
-        for _ in range(2 + repeats):  # the first call traces, the second warms up
-            for fn, times in steps:  # in turns: a burst of load hits every node alike
-                start = time.perf_counter()
-                fn().numpy()
-                times.append(time.perf_counter() - start)
-    return [float(statistics.median(times[2:])) for _, times in steps]
+            steps.append(tf.function(step, autograph=False))
+        return _median_times(steps, warmup=1, repeats=repeats)

@@ -6,9 +6,10 @@ from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Sequence, Union
 
 import tensorflow as tf
-from keras.src import backend as _kbackend
 
-__all__ = ["Split", "check_batched", "split", "merge"]
+from tf_gpipe import keras_compat
+
+__all__ = ["Split", "check_batched", "merge", "split"]
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Split:
             return None if size > 0 else tf.constant(False)
         return tf.greater(size, 0)
 
-    def select(self, index: int) -> "Split":
+    def select(self, index: int) -> Split:
         """The same cut of element ``index`` of every chunk (chunks are tuples)."""
         return replace(self, chunks=[c[index] for c in self.chunks])
 
@@ -183,7 +184,7 @@ def _attach_mask(outputs: Any, mask: Any) -> Any:
         return outputs
     for t, m in zip(tf.nest.flatten(outputs), tf.nest.flatten(mask)):
         if m is not None:
-            _kbackend.set_keras_mask(t, m)
+            keras_compat.set_keras_mask(t, m)
     return outputs
 
 
@@ -197,7 +198,7 @@ def merge(chunks: Sequence[Any], masks: Optional[Sequence[Any]] = None) -> Any:
     if len(chunks) == 1:
         return chunks[0]
     flats = [tf.nest.flatten(c) for c in chunks]
-    merged = []
+    merged: List[Any] = []
     for parts in zip(*flats):
         if parts[0] is None:
             merged.append(None)

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import keras
 import tensorflow as tf
-from keras.src import tree
+from keras import tree
 
 from tf_gpipe import microbatch, schedules, structure, trainer
 from tf_gpipe.cell import Cell

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, List, Optional, Sequence, TypeVar
 
+from tf_gpipe import keras_compat
+
 __all__ = ["check_tied_layers", "even_balance", "split_by_balance"]
 
 T = TypeVar("T")
@@ -69,8 +71,7 @@ def split_by_balance(
 
 def _nested(item: Any) -> List[Any]:
     """``item`` and every layer inside it (sublayers, nested models), ``item`` first."""
-    flatten = getattr(item, "_flatten_layers", None)
-    return list(flatten(include_self=True)) if flatten is not None else [item]
+    return keras_compat.nested_layers(item)
 
 
 def _refuse(kind: str, name: str, shared: Any, uses: dict) -> None:

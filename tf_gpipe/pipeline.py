@@ -12,7 +12,7 @@ from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 from tf_gpipe.schedules import clock_cycles
 
-__all__ = ["Pipeline", "REMAT_MODES"]
+__all__ = ["REMAT_MODES", "Pipeline"]
 
 REMAT_MODES = ("always", "except_last", "never")
 

@@ -10,6 +10,7 @@ at a schedule, not while measuring peak speed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-__all__ = ["Recorder", "Span", "record", "live_stashes"]
+__all__ = ["Recorder", "Span", "live_stashes", "record", "save_chrome_trace", "save_gantt"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Recorder:
         events = self.events
         starts = [i for i, (_, _, label) in enumerate(events) if label == "start F0@s0"]
         bounds = starts + [len(events)]
-        return [self._spans(events[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return [self._spans(events[a:b]) for a, b in itertools.pairwise(bounds)]
 
     @staticmethod
     def _spans(events: List[Tuple[float, int, str]]) -> List[Span]:
@@ -98,8 +99,8 @@ class Recorder:
         for t, device, label in events:
             phase, tag = label.split(" ", 1)
             kind, rest = tag[0], tag[1:]
-            m, s = rest.split("@s")
-            m, s = int(m), int(s)
+            m_text, s_text = rest.split("@s")
+            m, s = int(m_text), int(s_text)
             if phase == "start":
                 open_at[tag] = (t - t0, device)
             elif phase == "replayed":

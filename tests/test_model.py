@@ -1,4 +1,4 @@
-"""The core property: a PipelineModel computes what keras.Sequential(layers) computes."""
+"""tf_gpipe.model, the core property: a PipelineModel computes what keras.Sequential(layers) computes."""
 
 import itertools
 
@@ -86,9 +86,7 @@ def test_fit_matches_unsplit(K, M, remat, batch_size):
     np.testing.assert_allclose(hist[0]["accuracy"], hist[1]["accuracy"])
     # One optimizer update per mini-batch, not one per micro-batch.
     assert int(pm.optimizer.iterations) == int(seq.optimizer.iterations) == 3 * -(-20 // batch_size)
-    assert_all_close(
-        [seq.evaluate(x, y, verbose=0)[0]], [pm.evaluate(x, y, verbose=0)[0]], rtol=1e-5
-    )
+    assert_all_close([seq.evaluate(x, y, verbose=0)[0]], [pm.evaluate(x, y, verbose=0)[0]], rtol=1e-5)
     assert_all_close([seq.predict(x, verbose=0)], [pm.predict(x, verbose=0)], rtol=1e-5, atol=1e-5)
 
 

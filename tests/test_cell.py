@@ -1,4 +1,4 @@
-"""Each stage's variables live on its device, and its ops run there during model.fit."""
+"""tf_gpipe.cell: each stage's variables live on its device, and its ops run there during model.fit."""
 
 import json
 import os

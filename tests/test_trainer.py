@@ -1,10 +1,12 @@
-"""Padded sequences: fit's loss, metrics and gradients honour the outputs' Keras mask."""
+"""tf_gpipe.trainer: with padded sequences, fit's loss, metrics and gradients honour the Keras mask."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import assert_all_close, pair
+
+from tf_gpipe import keras_compat
 
 T, VOCAB, CLASSES = 6, 20, 5
 
@@ -71,7 +73,7 @@ def _assert_mask_matters(model, x, y, sw):
     """The masked loss differs from the unmasked one by far more than the tests' tolerance."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = model(x)
-    assert keras.src.backend.get_keras_mask(out) is not None
+    assert keras_compat.get_keras_mask(out) is not None
     masked = float(loss_fn(y, out, sample_weight=sw))
     unmasked = float(loss_fn(y, tf.identity(out), sample_weight=sw))
     assert abs(masked - unmasked) > 1e-3 * abs(masked)  # 100 x the tolerance
@@ -140,7 +142,7 @@ def test_masked_loss_with_layer_losses_per_micro_batch_is_refused(schedule, M, v
     _, pm = _pair("dense", schedule, M, v, regularize=True)
     _compile(pm)
     x, y, _ = _padded(8)
-    with pytest.raises(ValueError, match="activity regularizers.*schedule='gpipe'"):
+    with pytest.raises(ValueError, match=r"activity regularizers.*schedule='gpipe'"):
         pm.train_on_batch(x, y)
 
 
@@ -210,7 +212,7 @@ def test_several_masked_outputs(schedule):
         model.compile(optimizer=keras.optimizers.SGD(0.5), loss=[loss, loss])
     expected = seq.train_on_batch(x, (y, y[:, ::-1]), return_dict=True)
     if schedule != "gpipe":  # each output's loss has its own count of valid tokens
-        with pytest.raises(ValueError, match="several outputs.*schedule='gpipe'"):
+        with pytest.raises(ValueError, match=r"several outputs.*schedule='gpipe'"):
             pm.train_on_batch(x, (y, y[:, ::-1]))
         return
     got = pm.train_on_batch(x, (y, y[:, ::-1]), return_dict=True)

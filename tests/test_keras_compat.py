@@ -1,0 +1,395 @@
+"""The private Keras behaviour tf_gpipe relies on, one test per hook.
+
+Every hook of ``tf_gpipe.keras_compat`` is checked here against the installed Keras,
+so that a Keras upgrade that moves or changes one fails a test that names it (and the
+Keras version) rather than a distant equivalence test. The last tests are the private
+uses still outside keras_compat (checkpoint.py), and the loudness of the hooks
+themselves: a missing private API is a ``KerasCompatError``, never a silent skip.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gpipe
+from tf_gpipe import checkpoint, keras_compat
+from tf_gpipe.batchnorm import DeferredStats, batch_norm_layers
+from tf_gpipe.cell import Cell, _attach_mask, _eager_build_scope
+
+VERSION = f"Keras {keras.__version__}"
+
+
+def _dropout_bn():
+    drop = keras.layers.Dropout(0.5, seed=3)
+    bn = keras.layers.BatchNormalization()
+    bn.build((None, 4))
+    return drop, bn
+
+
+def _op():
+    """A keras.Operation that is not a layer: an op node of a functional model."""
+    x = keras.Input((2,))
+    return keras_compat.functional_nodes(keras.Model(x, keras.ops.add(x, x)))[0].operation
+
+
+def _functional():
+    """A functional model with a skip connection, a dict input and a nested output."""
+    a = keras.Input((4,), name="a")
+    b = keras.Input((4,), name="b")
+    h = keras.layers.Dense(4, name="d1")(a)
+    h = keras.layers.Dropout(0.5, seed=1, name="drop")(h)
+    out = keras.layers.Add(name="add")([h, b])
+    return keras.Model({"a": a, "b": b}, {"y": out, "h": h})
+
+
+# ------------------------------------------------------------------------------ masks
+def test_get_keras_mask_reads_the_mask_a_layer_sets():
+    out = keras.layers.Embedding(5, 2, mask_zero=True)(tf.constant([[1, 0]]))
+    mask = keras_compat.get_keras_mask(out)
+    assert mask is not None, f"{VERSION}: Embedding(mask_zero=True) output carries no mask"
+    np.testing.assert_array_equal(mask.numpy(), [[True, False]], err_msg=VERSION)
+    assert keras_compat.get_keras_mask(tf.ones((1, 2))) is None, VERSION
+
+
+def test_set_keras_mask_is_what_keras_layers_read():
+    t = tf.ones((1, 2, 3)) * tf.constant([[[1.0], [5.0]]])
+    keras_compat.set_keras_mask(t, tf.constant([[True, False]]))
+    np.testing.assert_array_equal(keras_compat.get_keras_mask(t).numpy(), [[True, False]], err_msg=VERSION)
+    # The masked average ignores the second step (else 3.0): Keras layers see the mask we set.
+    pooled = keras.layers.GlobalAveragePooling1D()(t)
+    np.testing.assert_allclose(pooled.numpy(), np.ones((1, 3)), err_msg=VERSION)
+
+
+# ------------------------------------------------------------------------------ layers
+def test_call_takes_mask_and_training_as_keras_sequential_passes_them():
+    lstm, relu, drop = keras.layers.LSTM(2), keras.layers.ReLU(), keras.layers.Dropout(0.5)
+    assert keras_compat.call_takes_mask(lstm) and keras_compat.call_takes_training(lstm), VERSION
+    assert not keras_compat.call_takes_mask(relu) and not keras_compat.call_takes_training(relu), VERSION
+    assert keras_compat.call_takes_training(drop) and not keras_compat.call_takes_mask(drop), VERSION
+
+
+def test_nested_layers_reaches_every_sublayer():
+    inner = keras.Sequential([keras.layers.Dense(2), keras.layers.BatchNormalization()])
+    outer = keras.Sequential([keras.layers.Dense(2), inner])
+    found = keras_compat.nested_layers(outer)
+    assert found[0] is outer, VERSION
+    assert all(any(x is layer for x in found) for layer in [*outer.layers, *inner.layers]), VERSION
+    assert batch_norm_layers([outer]) == [inner.layers[1]], VERSION
+    op = _op()
+    assert not isinstance(op, keras.layers.Layer) and keras_compat.nested_layers(op) == [op]
+
+
+# ------------------------------------------------------------------------------ variables
+def test_backing_variable_is_the_tf_variable(cpu_devices):
+    v = keras.Variable(np.zeros(3, "float32"))
+    raw = keras_compat.backing_variable(v)
+    assert isinstance(raw, tf.Variable), f"{VERSION}: Variable._value is {type(raw).__name__}"
+    raw.assign([1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0, 3.0], err_msg=VERSION)
+
+
+def test_set_backing_variable_moves_the_variable(cpu_devices):
+    v = keras.Variable(np.zeros(3, "float32"))
+    with tf.device(cpu_devices[2]):
+        moved = tf.Variable([4.0, 5.0, 6.0])
+    keras_compat.set_backing_variable(v, moved)
+    assert keras_compat.backing_variable(v) is moved, VERSION
+    assert v.value.device.endswith("CPU:2"), f"{VERSION}: {v.value.device}"
+    v.assign([7.0, 8.0, 9.0])
+    np.testing.assert_array_equal(moved.numpy(), [7.0, 8.0, 9.0], err_msg=VERSION)
+
+
+# ------------------------------------------------------------------------------ stateless scope
+def test_suspend_stateless_scope_builds_real_variables():
+    layer = keras.layers.Dense(2)
+    with keras.StatelessScope() as scope:
+        assert keras_compat.current_stateless_scope() is scope, VERSION
+        with keras_compat.suspend_stateless_scope():
+            assert keras_compat.current_stateless_scope() is None, VERSION
+            layer.build((None, 3))
+        assert keras_compat.current_stateless_scope() is scope, VERSION
+    assert layer.kernel.numpy().shape == (3, 2), VERSION
+    # cell._eager_build_scope, which builds every stage, relies on it.
+    with keras.StatelessScope(), _eager_build_scope("/device:CPU:0"):
+        assert keras_compat.current_stateless_scope() is None, VERSION
+
+
+def test_current_stateless_scope_maps_variable_reads():
+    v = keras.Variable(np.zeros(3, "float32"))
+    assert keras_compat.current_stateless_scope() is None, VERSION
+    with keras.StatelessScope(state_mapping=[(v, tf.ones(3))]) as scope:
+        assert keras_compat.current_stateless_scope() is scope, VERSION
+        np.testing.assert_array_equal(scope.get_current_value(v).numpy(), np.ones(3), err_msg=VERSION)
+
+
+# ------------------------------------------------------------------------------ BatchNormalization
+def test_batch_norm_reduction_axes():
+    bn = keras.layers.BatchNormalization()
+    bn.build((None, 5, 4))
+    assert keras_compat.batch_norm_reduction_axes(bn) == [0, 1], VERSION
+    conv_bn = keras.layers.BatchNormalization(axis=1)
+    conv_bn.build((None, 3, 8, 8))
+    assert keras_compat.batch_norm_reduction_axes(conv_bn) == [0, 2, 3], VERSION
+
+
+def test_observe_batch_norm_moments_sees_training_calls_only():
+    _, bn = _dropout_bn()
+    x = tf.constant(np.random.RandomState(0).rand(6, 4).astype("float32"))
+    seen = []
+    with keras_compat.observe_batch_norm_moments(bn, lambda *a: seen.append(a)):
+        bn(x, training=False)
+        assert seen == [], f"{VERSION}: inference computed batch moments"
+        bn(x, training=True)
+    ((inputs, mask, mean, variance),) = seen
+    assert mask is None and inputs.shape == (6, 4), VERSION
+    np.testing.assert_allclose(mean.numpy(), x.numpy().mean(0), rtol=1e-5, err_msg=VERSION)
+    np.testing.assert_allclose(variance.numpy(), x.numpy().var(0), rtol=1e-4, err_msg=VERSION)
+    bn(x, training=True)  # the hook is gone after the block
+    assert len(seen) == 1, VERSION
+
+
+def test_deferred_stats_records_through_the_hooks():
+    _, bn = _dropout_bn()
+    stats = DeferredStats()
+    with stats.capture([bn]):
+        bn(tf.ones((2, 4)), training=False)
+        assert stats.sums() == []
+        bn(tf.ones((2, 4)), training=True)
+    ((layer, (count, _, _)),) = stats.sums()
+    assert layer is bn and float(count) == 2.0, VERSION
+
+
+# ------------------------------------------------------------------------------ functional models
+def test_functional_nodes_in_run_order():
+    model = _functional()
+    names = [node.operation.name for node in keras_compat.functional_nodes(model)]
+    assert names == ["d1", "drop", "add"], f"{VERSION}: {names}"
+
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    assert keras_compat.functional_nodes(Subclassed()) is None, VERSION
+
+
+def test_node_arguments_fill_in_the_inputs():
+    model = _functional()
+    add = keras_compat.functional_nodes(model)[-1]
+    h, b = tf.ones((1, 4)), tf.zeros((1, 4))
+    values = {id(add.input_tensors[0]): h, id(add.input_tensors[1]): b}
+    args, kwargs = keras_compat.node_arguments(add, values)
+    assert args[0][0] is h and args[0][1] is b and kwargs == {}, f"{VERSION}: {args}, {kwargs}"
+
+
+def test_operation_caller_passes_training():
+    drop = _functional().get_layer("drop")
+    x = tf.ones((4, 100))
+    dropped = keras_compat.operation_caller(drop, True)(x)
+    assert float(tf.reduce_min(dropped)) == 0.0, f"{VERSION}: training=True did not reach Dropout"
+    assert keras_compat.operation_caller(drop, None) is drop
+    np.testing.assert_array_equal(
+        keras_compat.operation_caller(drop, False)(x, training=True).numpy(), x.numpy()
+    )
+    op = _op()  # not a layer: called as it is
+    assert keras_compat.operation_caller(op, True) is op
+
+
+def test_operation_caller_matches_keras_3_15_operation_fn():
+    functional = pytest.importorskip("keras.src.models.functional")
+    if not hasattr(functional, "operation_fn"):
+        pytest.skip(f"{VERSION} has no operation_fn (removed in 3.16)")
+    x = tf.ones((4, 50))
+    for training in (True, False, None):  # a node's own training= is overridden unless None
+        ours = keras_compat.operation_caller(keras.layers.Dropout(0.5, seed=2), training)
+        theirs = functional.operation_fn(keras.layers.Dropout(0.5, seed=2), training=training)
+        np.testing.assert_array_equal(
+            ours(x, training=not training).numpy(), theirs(x, training=not training).numpy()
+        )
+
+
+def test_standardize_inputs_orders_like_model_inputs():
+    model = _functional()
+    a, b = tf.ones((1, 4)), tf.zeros((1, 4))
+    flat = keras_compat.standardize_inputs(model, {"b": b, "a": a})
+    expected = [{"a": a, "b": b}[x.name] for x in model.inputs]
+    assert len(flat) == 2 and all(t is e for t, e in zip(flat, expected)), VERSION
+
+
+def test_inputs_and_outputs_structure():
+    model = _functional()
+    outputs = keras_compat.outputs_structure(model)
+    assert isinstance(outputs, dict) and set(outputs) == {"y", "h"}, f"{VERSION}: {outputs}"
+    inputs = keras_compat.inputs_structure(model)
+    assert isinstance(inputs, dict) and set(inputs) == {"a", "b"}, f"{VERSION}: {inputs}"
+    packed = keras.tree.pack_sequence_as(outputs, [1, 2])
+    assert set(packed) == {"y", "h"}, VERSION
+
+
+# ------------------------------------------------------------------------------ training internals
+def _compiled(**kwargs):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", **kwargs)
+    return model
+
+
+def test_compiled_loss_is_the_compiled_loss():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert keras_compat.compiled_loss(model) is None, VERSION
+    model.compile(optimizer="sgd", loss="mse")
+    y, y_pred = tf.constant([[1.0], [3.0]]), tf.constant([[0.0], [0.0]])
+    value = keras_compat.compiled_loss(model)(y, y_pred, None)
+    assert float(value) == pytest.approx(5.0), f"{VERSION}: compiled mse gave {float(value)}"
+
+
+def test_loss_tracker_is_what_fit_reports():
+    model = _compiled()
+    tracker = keras_compat.loss_tracker(model)
+    tracker.update_state(3.0)
+    assert any(m is tracker for m in model.metrics), f"{VERSION}: the loss tracker is not a model metric"
+    assert float(tracker.result()) == 3.0, VERSION
+
+
+def test_set_initial_epoch_resumes_fit():
+    model = _compiled()
+
+    class Resume(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            keras_compat.set_initial_epoch(self.model, 3)
+
+    history = model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=5, verbose=0, callbacks=[Resume()])
+    assert history.epoch == [3, 4], f"{VERSION}: fit ran epochs {history.epoch}"
+    keras_compat.set_initial_epoch(model, None)
+    assert model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=2, verbose=0).epoch == [0, 1], VERSION
+
+
+def test_flat_compiled_losses_name_each_outputs_loss():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert keras_compat.flat_compiled_losses(model) == [], VERSION
+    model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    keras_compat.compiled_loss(model)(tf.ones((1, 1)), tf.zeros((1, 1)), None)  # built on first use
+    (entry,) = keras_compat.flat_compiled_losses(model)
+    assert entry.loss.reduction == "sum", f"{VERSION}: {entry}"
+
+
+def test_model_compute_loss_serves_old_style_overrides():
+    class OldStyle(keras.Sequential):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):  # no training=
+            return super().compute_loss(x, y, y_pred, sample_weight) * 2.0
+
+    for cls, factor in ((keras.Sequential, 1.0), (OldStyle, 2.0)):
+        model = cls([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        y, y_pred = tf.constant([[1.0]]), tf.constant([[0.0]])
+        loss = keras_compat.model_compute_loss(model, None, y, y_pred, None, training=True)
+        assert float(loss) == pytest.approx(factor), f"{VERSION}: {cls.__name__} gave {float(loss)}"
+
+
+def test_aggregate_additional_loss_sums_and_casts():
+    model = _compiled()
+    total = keras_compat.aggregate_additional_loss(model, tf.constant([1, 2, 3]))
+    assert total.dtype == tf.float32 and float(total) == 6.0, f"{VERSION}: {total}"
+
+
+def test_clear_losses_forgets_earlier_calls():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, activity_regularizer="l2")])
+    model(tf.ones((1, 2)))
+    assert len(model.losses) == 1, VERSION
+    keras_compat.clear_losses(model)
+    assert model.losses == [], f"{VERSION}: {model.losses}"
+
+
+def test_unscale_loss_for_distribution_is_the_identity_on_one_replica():
+    loss = tf.constant(3.0)
+    assert float(keras_compat.unscale_loss_for_distribution(loss)) == 3.0, VERSION
+
+
+def test_sequential_functional_holds_the_graph():
+    model = keras.Sequential([keras.layers.Dense(2)])
+    assert keras_compat.sequential_functional(model) is None, VERSION
+    model.build((None, 3))
+    functional = keras_compat.sequential_functional(model)
+    assert functional is not None and tuple(functional.inputs[0].shape) == (None, 3), VERSION
+    assert len(keras_compat.functional_nodes(functional)) == 1, VERSION
+
+
+# ------------------------------------------------------------------------------ not yet routed here
+def test_stateless_scope_add_update_sees_every_write():
+    """checkpoint._RecordingScope overrides StatelessScope.add_update (private) to learn
+    which variables a forward pass writes: the seed state and the moving statistics."""
+    drop, bn = _dropout_bn()
+    x = tf.ones((2, 4))
+    before = [v.numpy().copy() for v in (drop.seed_generator.state, bn.moving_mean)]
+    with checkpoint._RecordingScope() as scope:
+        bn(drop(x, training=True), training=True)
+    written = {id(v) for v in scope.written.values()}
+    assert {id(drop.seed_generator.state), id(bn.moving_mean), id(bn.moving_variance)} <= written
+    # The scope kept the writes to itself.
+    assert all(
+        np.array_equal(b, v.numpy()) for b, v in zip(before, (drop.seed_generator.state, bn.moving_mean))
+    )
+
+
+def test_get_stateless_scope_maps_variable_reads():
+    """checkpoint._read uses keras.src's get_stateless_scope (private) to read a variable
+    as the enclosing scope maps it."""
+    v = keras.Variable(np.zeros(3, "float32"))
+    with keras.StatelessScope(state_mapping=[(v, tf.ones(3))]):
+        assert np.array_equal(checkpoint._read(v).numpy(), np.ones(3))
+    assert np.array_equal(checkpoint._read(v).numpy(), np.zeros(3))
+
+
+# ------------------------------------------------------------------------------ failing loudly
+def test_a_missing_mask_api_fails_loudly_naming_the_keras_version(monkeypatch):
+    """The 3.16 break: get/set_keras_mask gone from where tf_gpipe looks. A stage must not
+    silently stop passing masks on (cell._attach_mask once swallowed the AttributeError)."""
+    from keras.src.backend.common import masking
+
+    monkeypatch.delattr(masking, "set_keras_mask")
+    x, mask = tf.ones((1, 2, 3)), tf.constant([[True, False]])
+    with pytest.raises(keras_compat.KerasCompatError, match=rf"Keras {keras.__version__} .*set_keras_mask"):
+        _attach_mask(x, mask)
+    cell = Cell(0, [keras.layers.Dense(3)], "/device:CPU:0")
+    with pytest.raises(keras_compat.KerasCompatError, match=r"keras_compat\.py"):
+        cell.call(x, mask, training=False)
+
+
+def test_a_missing_module_fails_loudly(monkeypatch):
+    monkeypatch.setattr(keras_compat, "_masking", lambda: keras_compat._module("keras.src.no_such", "x"))
+    with pytest.raises(
+        keras_compat.KerasCompatError, match=r"no longer provides the module keras\.src\.no_such"
+    ):
+        keras_compat.get_keras_mask(tf.ones(1))
+
+
+@pytest.mark.parametrize(
+    "hook, make, private",
+    [
+        (keras_compat.call_takes_mask, lambda: keras.layers.Dense(2), "_call_has_mask_arg"),
+        (keras_compat.call_takes_training, lambda: keras.layers.Dense(2), "_call_has_training_arg"),
+        (keras_compat.backing_variable, lambda: keras.Variable(np.zeros(2, "float32")), "_value"),
+        (keras_compat.outputs_structure, _functional, "_outputs_struct"),
+        (keras_compat.functional_nodes, _functional, "_nodes_by_depth"),
+        (keras_compat.compiled_loss, _compiled, "_compile_loss"),
+        (
+            keras_compat.sequential_functional,
+            lambda: keras.Sequential([keras.layers.Dense(1)]),
+            "_functional",
+        ),
+    ],
+)
+def test_a_missing_private_attribute_fails_loudly(hook, make, private):
+    obj = make()
+    assert private in vars(obj), f"{VERSION}: {private} is not where keras_compat looks"
+    object.__delattr__(obj, private)  # as a Keras without it would have it
+    with pytest.raises(keras_compat.KerasCompatError, match=rf"Keras {keras.__version__} no longer provides"):
+        hook(obj)
+
+
+def test_pipeline_model_still_passes_masks_through_the_hooks():
+    """End to end: a mask made in stage 0 reaches stage 1's LSTM through keras_compat."""
+    layers = [keras.layers.Embedding(10, 4, mask_zero=True), keras.layers.LSTM(3)]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=2)
+    tokens = tf.constant([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0]])
+    seq = keras.Sequential(layers)
+    np.testing.assert_allclose(pm(tokens).numpy(), seq(tokens).numpy(), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,63 @@
+"""Balance a pipeline: estimate each layer's cost, then cut the layers into stages of even cost.
+
+Estimators (``tf_gpipe.balance.profile``) give one cost per layer, solvers
+(``tf_gpipe.balance.solvers``) cut the layers where the stages' costs are even, and
+``report`` (``tf_gpipe.balance.report``) shows a partition with its predicted bubble.
+``balance_by`` runs an estimator and a solver in one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from tf_gpipe.balance.profile import Layers, _layer_list, by_memory, by_params, by_time
+from tf_gpipe.balance.report import report
+from tf_gpipe.balance.solvers import _checked, solve_min_variance, solve_minmax, stage_costs
+
+__all__ = [
+    "METHODS",
+    "SOLVERS",
+    "balance_by",
+    "by_memory",
+    "by_params",
+    "by_time",
+    "report",
+    "solve_min_variance",
+    "solve_minmax",
+    "stage_costs",
+]
+
+METHODS = ("params", "time", "memory")
+SOLVERS = ("minmax", "min_variance")
+
+
+def balance_by(
+    method: str, layers: Layers, num_stages: int, sample: Any = None, solver: str = "minmax", **kwargs: Any
+) -> List[int]:
+    """Layers per stage that even out one cost: ``"params"``, ``"time"`` or ``"memory"``.
+
+    Args:
+        method: the estimate to balance: :func:`by_params`, :func:`by_time` or :func:`by_memory`.
+        layers, sample: as for :func:`by_params`.
+        num_stages: K, the number of stages.
+        solver: ``"minmax"`` (optimal largest stage) or ``"min_variance"`` (torchgpipe's).
+        **kwargs: for the estimator (``repeats=``, ``optimizer_slots=``, ``batch_size=``...).
+
+    Returns:
+        The ``balance`` argument of :class:`~tf_gpipe.PipelineModel`.
+
+    Example:
+        >>> layers = [keras.layers.Dense(64) for _ in range(7)] + [keras.layers.Dense(10_000)]
+        >>> balance_by("params", layers, 2, (32, 64))  # for PipelineModel(layers, balance=...)
+        [7, 1]
+    """
+    estimators = {"params": by_params, "time": by_time, "memory": by_memory}
+    solvers = {"minmax": solve_minmax, "min_variance": solve_min_variance}
+    if method not in estimators:
+        raise ValueError(f"tf_gpipe: unknown balance method {method!r}; use one of {list(METHODS)}.")
+    if solver not in solvers:
+        raise ValueError(f"tf_gpipe: unknown solver {solver!r}; use one of {list(SOLVERS)}.")
+    layer_list, spec = _layer_list(layers)
+    _checked([0.0] * len(layer_list), num_stages)  # fail before profiling
+    costs = estimators[method](layer_list, spec if sample is None else sample, **kwargs)
+    return solvers[solver](costs, num_stages)

@@ -1,0 +1,7 @@
+"""``python -m tf_gpipe.cluster --worker ...``: run one worker server (see tf_gpipe.cluster.worker)."""
+
+import sys
+
+from tf_gpipe.cluster.worker import _worker_main
+
+sys.exit(_worker_main(sys.argv[1:]))

@@ -1,0 +1,133 @@
+"""ReplicatedPipeline: data x pipeline parallelism, R copies of a pipeline on disjoint devices."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import keras
+import tensorflow as tf
+
+from tf_gpipe import keras_compat
+
+__all__ = ["ReplicatedPipeline"]
+
+
+class ReplicatedPipeline(keras.Model):
+    """Data x pipeline parallelism: R copies of one pipeline on disjoint devices.
+
+    Replica ``r`` is a ``PipelineModel`` of fresh layers from ``make_layers()`` on the
+    devices ``device_groups[r]``; all start from replica 0's weights. A training step
+    cuts the global batch into R equal shards, each replica computes its shard's loss
+    and gradients through its own pipeline (micro-batches, re-materialization),
+    ``tf.distribute.ReductionToOneDevice`` averages each variable's R gradients and
+    sends the mean back to every replica's device (an all-reduce through TensorFlow's
+    runtime), and one optimizer applies the same update to every copy: the replicas
+    stay identical, and the step equals one pipeline's step on the whole batch (for
+    losses that average over examples; BatchNormalization statistics and dropout
+    masks are per shard). ``predict``/``evaluate`` run replica 0.
+
+    Args:
+        make_layers: returns a new list of layers (same architecture) on each call.
+        device_groups: one device list per replica, ``K`` devices each, all disjoint.
+        input_shape: builds the replicas and copies replica 0's weights to the rest now;
+            otherwise call ``build(input_shape)`` before training.
+        **pipeline_kwargs: ``num_micro_batches``, ``remat``, ... for every replica.
+
+    Example:
+
+    ```python
+    groups = [cluster.worker_devices(4)[0::2], cluster.worker_devices(4)[1::2]]
+    model = cluster.ReplicatedPipeline(make_layers, groups, input_shape=(None, 32),
+                                       num_micro_batches=4)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=128)     # 64 examples per replica
+    ```
+    """
+
+    def __init__(
+        self,
+        make_layers: Callable[[], Sequence[keras.layers.Layer]],
+        device_groups: Sequence[Sequence[str]],
+        input_shape: Optional[Sequence[Optional[int]]] = None,
+        **pipeline_kwargs: Any,
+    ):
+        from tf_gpipe.model import PipelineModel
+
+        super().__init__()
+        groups = [list(g) for g in device_groups]
+        flat = [d for g in groups for d in g]
+        if len(groups) < 1 or len(set(flat)) != len(flat):
+            raise ValueError(
+                f"tf_gpipe: device_groups must be one or more disjoint device lists, got {groups}; "
+                "e.g. [devices[0::2], devices[1::2]] for 2 replicas over 2K devices."
+            )
+        self.replicas = [PipelineModel(make_layers(), devices=g, **pipeline_kwargs) for g in groups]
+        self._cross_device = tf.distribute.ReductionToOneDevice()
+        if input_shape is not None:
+            self.build(input_shape)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    def build(self, input_shape: Any) -> None:
+        """Build every replica on its devices and give them replica 0's weights."""
+        for replica in self.replicas:
+            replica.build(input_shape)
+        weights = self.replicas[0].get_weights()
+        for replica in self.replicas[1:]:
+            replica.set_weights(weights)
+        self.built = True
+
+    def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
+        return self.replicas[0](inputs, training=training)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        from tf_gpipe.trainer import colocate_slots
+
+        kwargs["jit_compile"] = False  # XLA would ignore the stage placement
+        super().compile(*args, **kwargs)
+        colocate_slots(self.optimizer)  # each slot on its variable's (replica's) device
+
+    def _all_reduce_mean(self, grads: List[List[Any]]) -> List[List[Any]]:
+        from tensorflow.python.distribute import values as _values  # PerReplica: no public constructor
+
+        per_var = [_values.PerReplica(tuple(g[i] for g in grads)) for i in range(len(grads[0]))]
+        reduced = self._cross_device.batch_reduce(
+            tf.distribute.ReduceOp.MEAN, [(v, v) for v in per_var]
+        )  # destination = the replicas' own devices: the mean comes back to each of them
+        return [[m.values[r] for m in reduced] for r in range(self.num_replicas)]
+
+    def train_step(self, data: Any) -> dict:
+        if not self.built:
+            raise ValueError(
+                "tf_gpipe: build the ReplicatedPipeline first (input_shape=... or "
+                "model.build(input_shape)) so that every replica starts from the same weights."
+            )
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        R = self.num_replicas
+        batch = x.shape[0]
+        if batch is not None and batch % R:
+            raise ValueError(
+                f"tf_gpipe: a batch of {batch} does not split into {R} equal replica shards; "
+                f"use a batch_size divisible by {R} (and drop_remainder=True for datasets)."
+            )
+        shards = [tf.split(t, R) if t is not None else [None] * R for t in (x, y, sample_weight)]
+        compute_loss = keras_compat.compiled_loss(self)
+        grads, outs, losses = [], [], []
+        for r, replica in enumerate(self.replicas):
+            xr, yr, swr = (shards[0][r], shards[1][r], shards[2][r])
+            with tf.GradientTape() as tape:
+                out = replica(xr, training=True)
+                loss = compute_loss(yr, out, swr)
+                if replica.losses:  # weight regularizers, activity regularizers
+                    loss = loss + tf.add_n(replica.losses)
+            grads.append(tape.gradient(loss, replica.trainable_variables))
+            outs.append(out)
+            losses.append(loss)
+        mean = self._all_reduce_mean(grads)
+        pairs = [zip(mean[r], replica.trainable_variables) for r, replica in enumerate(self.replicas)]
+        self.optimizer.apply_gradients([pair for replica_pairs in pairs for pair in replica_pairs])
+        loss = tf.add_n(losses) / R
+        keras_compat.loss_tracker(self).update_state(loss, sample_weight=tf.shape(x)[0])
+        return self.compute_metrics(x, y, tf.concat(outs, 0), sample_weight=sample_weight)

@@ -1,0 +1,394 @@
+"""Every private Keras API tf_gpipe relies on, each behind one small named function.
+
+Keras' public API covers most of what tf_gpipe does (``keras.tree``,
+``keras.StatelessScope``, ``keras.utils.unpack_x_y_sample_weight``, ...). What it
+cannot do without Keras internals lives here, one hook per function, each saying what
+it uses and why. A Keras release that moves one of them fails in one place:
+the hook raises ``KerasCompatError`` naming the Keras version and what is gone, and
+its test in ``tests/test_keras_compat.py`` fails, rather than some equivalence test
+far away, or worse, a silent wrong answer (a mask no longer passed, a variable left
+on the wrong device). ``KerasCompatError`` is a ``RuntimeError``, never an
+``AttributeError`` or ``ImportError``, so no ``except`` meant for user code can
+swallow it.
+
+Tested with Keras 3.15 and the 3.16 nightlies (``.ci/keras_nightly.sh``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import keras
+
+__all__ = [
+    "KerasCompatError",
+    "aggregate_additional_loss",
+    "backing_variable",
+    "batch_norm_reduction_axes",
+    "call_takes_mask",
+    "call_takes_training",
+    "clear_losses",
+    "compiled_loss",
+    "current_stateless_scope",
+    "flat_compiled_losses",
+    "functional_nodes",
+    "get_keras_mask",
+    "inputs_structure",
+    "loss_tracker",
+    "model_compute_loss",
+    "nested_layers",
+    "node_arguments",
+    "observe_batch_norm_moments",
+    "operation_caller",
+    "outputs_structure",
+    "sequential_functional",
+    "set_backing_variable",
+    "set_initial_epoch",
+    "set_keras_mask",
+    "standardize_inputs",
+    "suspend_stateless_scope",
+    "unscale_loss_for_distribution",
+]
+
+
+class KerasCompatError(RuntimeError):
+    """The installed Keras lacks a private API tf_gpipe relies on."""
+
+
+def _gone(what: str, why: str) -> KerasCompatError:
+    return KerasCompatError(
+        f"tf_gpipe: Keras {keras.__version__} no longer provides {what}, which tf_gpipe uses to "
+        f"{why}. tf_gpipe is tested with Keras 3.15 (requirements.txt): install keras==3.15.1, or "
+        "adapt this hook in tf_gpipe/keras_compat.py (tests/test_keras_compat.py checks each one)."
+    )
+
+
+def _attribute(obj: Any, name: str, why: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError as e:
+        owner = obj.__name__ if isinstance(obj, ModuleType) else type(obj).__name__
+        raise _gone(f"{owner}.{name}", why) from e
+
+
+def _module(name: str, why: str) -> ModuleType:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise _gone(f"the module {name}", why) from e
+
+
+# ------------------------------------------------------------------------------ masks
+_MASKS = "pass Keras masks between stages, as keras.Sequential passes them between layers"
+
+
+@functools.cache
+def _masking() -> ModuleType:
+    # Keras 3.15 re-exports these from keras.src.backend too; 3.16 no longer does.
+    return _module("keras.src.backend.common.masking", _MASKS)
+
+
+def get_keras_mask(x: Any) -> Any:
+    """The Keras mask ``x`` carries, or None.
+
+    Uses ``keras.src.backend.common.masking.get_keras_mask``: Keras keeps a mask as an
+    attribute of the tensor and has no public reader; keras.Sequential reads it this way.
+    """
+    return _attribute(_masking(), "get_keras_mask", _MASKS)(x)
+
+
+def set_keras_mask(x: Any, mask: Any) -> None:
+    """Make ``x`` carry ``mask`` as its Keras mask (losses and metrics read it from ``y_pred``).
+
+    Uses ``keras.src.backend.common.masking.set_keras_mask`` (no public writer).
+    """
+    _attribute(_masking(), "set_keras_mask", _MASKS)(x, mask)
+
+
+# ------------------------------------------------------------------------------ layers
+def call_takes_mask(layer: keras.layers.Layer) -> bool:
+    """Whether keras.Sequential would pass ``mask=`` to ``layer`` (its ``call`` has the parameter).
+
+    Uses ``Layer._call_has_mask_arg``, the flag keras.Sequential itself reads.
+    """
+    return bool(_attribute(layer, "_call_has_mask_arg", _MASKS))
+
+
+def call_takes_training(layer: keras.layers.Layer) -> bool:
+    """Whether keras.Sequential would pass ``training=`` to ``layer``.
+
+    Uses ``Layer._call_has_training_arg``, the flag keras.Sequential itself reads.
+    """
+    why = "pass `training` to each layer as keras.Sequential does"
+    return bool(_attribute(layer, "_call_has_training_arg", why))
+
+
+def nested_layers(obj: Any) -> List[Any]:
+    """``obj`` and every layer inside it (sublayers, nested models), ``obj`` first.
+
+    A ``keras.Operation`` that is not a layer (an op node of a functional model) has no
+    sublayers: ``[obj]``. Uses ``Layer._flatten_layers``: Keras has no public way to walk
+    every nested layer (``Model.layers`` is one level deep).
+    """
+    if not isinstance(obj, keras.layers.Layer):
+        return [obj]
+    flatten = _attribute(obj, "_flatten_layers", "find nested BatchNormalization and tied layers")
+    return list(flatten(include_self=True))
+
+
+# ------------------------------------------------------------------------------ variables
+_PLACEMENT = "create each stage's variables on its own device"
+
+
+def backing_variable(variable: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras variable (None before it is initialized).
+
+    Uses ``Variable._value``: where a variable lives, and colocating optimizer slots with
+    it, needs the backend variable, which Keras does not expose.
+    """
+    return _attribute(variable, "_value", _PLACEMENT)
+
+
+def set_backing_variable(variable: Any, value: Any) -> None:
+    """Put ``value`` (a ``tf.Variable``) behind the Keras ``variable``: moves it to a device.
+
+    Uses ``Variable._value``; nothing may have captured the old backing variable yet.
+    """
+    backing_variable(variable)  # the attribute must still exist: never create a stray one
+    variable._value = value
+
+
+# ------------------------------------------------------------------------------ stateless scope
+@contextlib.contextmanager
+def suspend_stateless_scope() -> Iterator[None]:
+    """Leave any enclosing ``keras.StatelessScope`` for the duration of the block.
+
+    Keras may first build the model inside ``backend.compute_output_spec`` (a scratch
+    graph under a StatelessScope), where new variables would not be initialized. Uses the
+    ``"stateless_scope"`` entry of ``keras.src.backend.common.global_state``, where Keras
+    keeps the current scope; there is no public way to step out of one.
+    """
+    why = "build a stage's variables for real while Keras traces under a StatelessScope"
+    state = _module("keras.src.backend.common.global_state", why)
+    get = _attribute(state, "get_global_attribute", why)
+    put = _attribute(state, "set_global_attribute", why)
+    saved = get("stateless_scope")
+    put("stateless_scope", None)
+    try:
+        yield
+    finally:
+        put("stateless_scope", saved)
+
+
+def current_stateless_scope() -> Optional[keras.StatelessScope]:
+    """The innermost active ``keras.StatelessScope``, or None.
+
+    Uses ``keras.src.backend.common.stateless_scope.get_stateless_scope`` (no public getter).
+    """
+    why = "read a variable as the enclosing StatelessScope maps it"
+    module = _module("keras.src.backend.common.stateless_scope", why)
+    return _attribute(module, "get_stateless_scope", why)()
+
+
+# ------------------------------------------------------------------------------ BatchNormalization
+_DEFERRED = "defer BatchNormalization's moving statistics to one update per mini-batch"
+
+
+def batch_norm_reduction_axes(bn: keras.layers.BatchNormalization) -> List[int]:
+    """The axes a built BatchNormalization layer pools its moments over.
+
+    Uses ``BatchNormalization._reduction_axes`` (set in ``build``).
+    """
+    return list(_attribute(bn, "_reduction_axes", _DEFERRED))
+
+
+@contextlib.contextmanager
+def observe_batch_norm_moments(
+    bn: keras.layers.BatchNormalization, observer: Callable[[Any, Any, Any, Any], None]
+) -> Iterator[None]:
+    """Call ``observer(inputs, mask, mean, variance)`` each time ``bn`` computes batch moments.
+
+    Only a training call computes them. Uses ``BatchNormalization._moments(inputs, mask)``,
+    wrapped for the duration of the block: the one place Keras computes them.
+    """
+    original = _attribute(bn, "_moments", _DEFERRED)
+
+    def moments(inputs, mask):
+        mean, variance = original(inputs, mask)
+        observer(inputs, mask, mean, variance)
+        return mean, variance
+
+    bn._moments = moments
+    try:
+        yield
+    finally:
+        bn._moments = original
+
+
+# ------------------------------------------------------------------------------ functional models
+_GRAPH = "cut a functional model into stages (PipelineModel.from_model)"
+
+
+def _is_functional(model: Any) -> bool:
+    return any(cls.__name__ == "Functional" for cls in type(model).__mro__)
+
+
+def functional_nodes(model: Any) -> Optional[list]:
+    """The computation nodes of a functional model in the order Keras runs them, inputs excluded.
+
+    None for a model without a graph (subclassed, or a Sequential not yet built). Uses
+    ``Functional._nodes_by_depth`` and the nodes' ``operation``/``is_input``.
+    """
+    by_depth = getattr(model, "_nodes_by_depth", None)
+    if by_depth is None:
+        if _is_functional(model):
+            raise _gone("Functional._nodes_by_depth", _GRAPH)
+        return None
+    nodes = []
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
+            if node.operation is not None and not node.is_input:
+                nodes.append(node)
+    return nodes
+
+
+def node_arguments(node: Any, values: Dict[int, Any]) -> tuple:
+    """``(args, kwargs)`` of ``node``'s call, its symbolic inputs replaced by ``values[id(x)]``.
+
+    Uses ``Node.arguments.fill_in``, as ``Functional.call`` does.
+    """
+    return _attribute(_attribute(node, "arguments", _GRAPH), "fill_in", _GRAPH)(values)
+
+
+def operation_caller(operation: Any, training: Optional[bool]) -> Callable[..., Any]:
+    """``operation`` as ``Functional.call`` runs it, with ``training`` passed explicitly.
+
+    Keras 3.15 did this with ``keras.src.models.functional.operation_fn``; 3.16 removed it
+    (nested calls take ``training`` from the call context). Passing it explicitly does the
+    same on both, and also outside any call context (``graph.node_costs`` times nodes one
+    by one). Uses ``Layer._call_context_args``: the call-context arguments a layer accepts.
+    """
+    if training is None or not isinstance(operation, keras.layers.Layer):
+        return operation
+    if "training" not in _attribute(operation, "_call_context_args", _GRAPH):
+        return operation
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        kwargs["training"] = training  # over the node's own, as Keras 3.15's operation_fn did
+        return operation(*args, **kwargs)
+
+    return call
+
+
+def standardize_inputs(model: Any, inputs: Any) -> list:
+    """``inputs`` as the flat list, in ``model.inputs`` order, that a functional model runs on.
+
+    Uses ``Functional._standardize_inputs`` (dicts by input name, single tensors, nesting).
+    """
+    return _attribute(model, "_standardize_inputs", _GRAPH)(inputs)
+
+
+def outputs_structure(model: Any) -> Any:
+    """The nested structure of a functional model's outputs (``model.outputs`` is flat).
+
+    Uses ``Function._outputs_struct``.
+    """
+    return _attribute(model, "_outputs_struct", _GRAPH)
+
+
+def inputs_structure(model: Any) -> Any:
+    """The nested structure of a functional model's inputs (``model.inputs`` is flat).
+
+    Uses ``Function._inputs_struct``.
+    """
+    return _attribute(model, "_inputs_struct", _GRAPH)
+
+
+# ------------------------------------------------------------------------------ training internals
+def compiled_loss(model: keras.Model) -> Any:
+    """The loss ``compile(loss=...)`` built, ``(y, y_pred, sample_weight) -> loss``, or None.
+
+    Uses ``Trainer._compile_loss``: a custom train step computes the compiled loss per
+    replica or micro-batch; ``compute_loss`` would also add the model's own losses.
+    """
+    return _attribute(model, "_compile_loss", "compute the compiled loss in a custom training step")
+
+
+def loss_tracker(model: keras.Model) -> Any:
+    """The ``Mean`` metric behind the ``loss`` that ``fit`` reports.
+
+    Uses ``Trainer._loss_tracker``: a custom ``train_step`` must update it itself.
+    """
+    return _attribute(model, "_loss_tracker", "report the loss of a custom training step")
+
+
+def set_initial_epoch(model: keras.Model, epoch: Optional[int]) -> None:
+    """Make the running ``fit`` start at ``epoch`` (None: from its own argument again).
+
+    Uses ``Trainer._initial_epoch``, as ``keras.callbacks.BackupAndRestore`` does.
+    """
+    why = "resume fit from the epoch of a checkpoint (cluster.ResumableCheckpoint)"
+    _attribute(model, "_initial_epoch", why)
+    model._initial_epoch = epoch
+
+
+def flat_compiled_losses(model: keras.Model) -> list:
+    """The entries of the compiled loss, one per output (each with its ``.loss``), or [].
+
+    Uses ``CompileLoss._flat_losses``: what reduction each output's loss uses decides
+    whether a loss can be split over micro-batches.
+    """
+    loss = compiled_loss(model)
+    if loss is None:
+        return []
+    return list(_attribute(loss, "_flat_losses", "check the reduction of each compiled loss") or [])
+
+
+def model_compute_loss(
+    model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool = True
+) -> Any:
+    """``model.compute_loss(...)`` as Keras' own ``train_step`` calls it.
+
+    Uses ``Trainer._compute_loss``, which also serves overrides of ``compute_loss`` written
+    before it took ``training`` (Keras < 3.3).
+    """
+    method = _attribute(model, "_compute_loss", "compute the loss as keras.Model.train_step does")
+    return method(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def aggregate_additional_loss(model: keras.Model, loss: Any) -> Any:
+    """One scalar from a loss that layers added (``add_loss``, regularizers), as ``fit`` sums it.
+
+    Uses ``Trainer._aggregate_additional_loss`` (a sum, cast to floatx if not float).
+    """
+    return _attribute(model, "_aggregate_additional_loss", "add the losses that layers add")(loss)
+
+
+def clear_losses(model: keras.Model) -> None:
+    """Forget the losses layers added in earlier calls (``__call__`` does it; a step that
+    runs the layers without it must too). Uses ``Layer._clear_losses``."""
+    _attribute(model, "_clear_losses", "clear the losses of an earlier call")()
+
+
+def unscale_loss_for_distribution(loss: Any) -> Any:
+    """The loss as ``fit`` reports it under a ``tf.distribute`` strategy (undone replica scaling).
+
+    Uses ``keras.src.losses.loss.unscale_loss_for_distribution``.
+    """
+    why = "report the loss as keras.Model.train_step does"
+    return _attribute(_module("keras.src.losses.loss", why), "unscale_loss_for_distribution", why)(loss)
+
+
+def sequential_functional(model: keras.Sequential) -> Any:
+    """The functional model behind a built ``keras.Sequential`` (None before it is built).
+
+    Uses ``Sequential._functional``: its symbolic inputs and graph, which
+    ``PipelineModel`` takes the input spec from and ``from_model`` cuts.
+    """
+    why = "read the input spec and graph of a built keras.Sequential"
+    return _attribute(model, "_functional", why)  # set (to None) by Sequential.__init__
