@@ -169,7 +169,9 @@ class StageFunctions:
                 if id(v) in self.graded and id(v) not in self.sparse
             }
 
-    def add_to_sums(self, grads: List[Optional[tf.Tensor]], nonempty: Any = None) -> Tuple[tf.Tensor, List[Any]]:
+    def add_to_sums(
+        self, grads: List[Optional[tf.Tensor]], nonempty: Any = None
+    ) -> Tuple[tf.Tensor, List[Any]]:
         """Add gradients (following ``cell.trainable_variables``) to the sums, zeroed first
         for an empty micro-batch; returns ``(token, sparse gradients)`` as ``_add_grads``."""
         self.sums(self.cell.trainable_variables)
