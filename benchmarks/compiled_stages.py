@@ -36,8 +36,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402  (puts the repository root on sys.path)
-from absl import app, flags  # noqa: E402
+import _common
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("mode", ["xla", "first", "accum"], "Measurements to run: xla, first, accum.")

@@ -50,8 +50,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402  (also puts the repo root on sys.path)
-from absl import app, flags  # noqa: E402
+import _common
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("stages", ["2", "4", "8"], "Values of K (pipeline devices).")

@@ -3,6 +3,7 @@
 import re
 import time
 import warnings
+from typing import ClassVar
 
 import keras
 import numpy as np
@@ -283,7 +284,7 @@ def test_jit_compile_auto_compiles_where_keras_would(monkeypatch):
 
 
 class _SeesEager(keras.layers.Layer):
-    modes: list = []
+    modes: ClassVar[list] = []
 
     def call(self, x):
         _SeesEager.modes.append(tf.executing_eagerly())

@@ -24,7 +24,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope, get_statele
 
 from tf_gpipe.cell import Cell
 
-__all__ = ["is_recomputing", "Record", "forward", "backward", "checkpointed"]
+__all__ = ["Record", "backward", "checkpointed", "forward", "is_recomputing"]
 
 _local = threading.local()
 

@@ -17,7 +17,7 @@ from tf_gpipe import checkpoint, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
-__all__ = ["run_schedule", "accumulate"]
+__all__ = ["accumulate", "run_schedule"]
 
 # Loss hooks the model supplies. Either the whole mini-batch loss once every forward
 # is done (fill-drain only), or a loss per micro-batch right after its last forward.
@@ -175,7 +175,11 @@ def run_schedule(
                 for mm, g in enumerate(batch_loss(outputs, out_masks)):
                     grads_in[(S - 1, mm)] = g
             rec = records.pop((s, m))
-            loss_grads = [cell_loss_grads[m]] * len(rec.losses) if rec.losses else []
+            loss_grads = []
+            if rec.losses:
+                if cell_loss_grads is None:
+                    raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
+                loss_grads = [cell_loss_grads[m]] * len(rec.losses)
             # With one micro-batch there is nothing to sum: the gradients are returned.
             to_sums = M > 1
             with tf.name_scope(f"stage{s}_mb{m}_backward"), tf.device(cell.device):

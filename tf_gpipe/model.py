@@ -240,7 +240,7 @@ class PipelineModel(keras.Model):
         self._num_devices = num_stages
         self._tracer = None
         self._source_model = None  # set by from_model
-        self._node_balance = None
+        self._node_balance: Optional[List[int]] = None
         # XLA over the whole model would fuse every stage into one cluster on one device:
         # compile(jit_compile=...) compiles stage by stage instead (stage_jit).
         self.supports_jit = False
@@ -261,7 +261,7 @@ class PipelineModel(keras.Model):
         balance: Optional[Union[Sequence[int], str]] = None,
         virtual_stages: int = 1,
         **kwargs: Any,
-    ) -> "PipelineModel":
+    ) -> PipelineModel:
         """Split a functional Keras model (residual/skip connections, several inputs or
         outputs) into consecutive stages.
 
@@ -295,9 +295,9 @@ class PipelineModel(keras.Model):
             model = model._functional
         nodes = graph.graph_nodes(model)
         cells = num_stages * virtual_stages
+        node_balance: List[int]
         if balance is None:
-            node_balance = split_by_balance(nodes, cells, None)
-            node_balance = [len(g) for g in node_balance]
+            node_balance = [len(g) for g in split_by_balance(nodes, cells, None)]
         elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
             from tf_gpipe.balance import solve_minmax
 
@@ -487,7 +487,7 @@ class PipelineModel(keras.Model):
         return config
 
     @classmethod
-    def from_config(cls, config: dict, custom_objects: Any = None) -> "PipelineModel":
+    def from_config(cls, config: dict, custom_objects: Any = None) -> PipelineModel:
         # Keras' deserialization consumes nested configs in place: keep the caller's intact.
         config = copy.deepcopy(config)
         if "source_model" in config:

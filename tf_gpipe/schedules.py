@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = [
-    "clock_cycles",
-    "bubble_fraction",
     "SCHEDULES",
     "Action",
     "Schedule",
     "Slot",
     "Timeline",
+    "bubble_fraction",
+    "clock_cycles",
     "get",
     "gpipe",
     "interleaved",
@@ -134,7 +134,8 @@ class Schedule:
         Returns the global order reached and, on deadlock, each unfinished
         device's blocked action (empty when everything ran).
         """
-        done, order = set(), []
+        done: set[Action] = set()
+        order: list[Action] = []
         pos = [0] * self.num_devices
         total = sum(len(o) for o in self.orders)
         while len(order) < total:
@@ -227,8 +228,8 @@ class Schedule:
 
     def _costs(self, cost: Cost, what: str) -> list[float]:
         if isinstance(cost, numbers.Real):
-            return [cost] * self.num_stages
-        costs = list(cost)
+            return [float(cost)] * self.num_stages
+        costs = [float(c) for c in cost]  # type: ignore[union-attr]
         if len(costs) != self.num_stages:
             raise ValueError(
                 f"{what} has {len(costs)} entries, expected one per stage (num_stages={self.num_stages})"
@@ -258,10 +259,7 @@ class Schedule:
         """
         fwd = self._costs(forward_cost, "forward_cost")
         bwd = self._costs(backward_cost, "backward_cost")
-        if weight_cost is None:
-            wgt = [b / 2 for b in bwd]
-        else:
-            wgt = self._costs(weight_cost, "weight_cost")
+        wgt = [b / 2 for b in bwd] if weight_cost is None else self._costs(weight_cost, "weight_cost")
         for s, (b, w) in enumerate(zip(bwd, wgt)):
             if not 0 <= w <= b:
                 raise ValueError(
@@ -297,7 +295,7 @@ class Schedule:
           A :class:`Timeline` with every action's ``(device, start, end)``.
         """
         cost = self.durations(forward_cost, backward_cost, weight_cost)
-        free = [0] * self.num_devices
+        free = [0.0] * self.num_devices
         slots: dict[Action, Slot] = {}
         # Any topological order gives the same times: each start is a max over
         # already-computed ends, so this is a longest-path pass over the DAG.
@@ -531,7 +529,7 @@ def interleaved(num_devices: int, num_micro_batches: int, virtual_stages: int) -
 
     orders = []
     for d in range(K):
-        if v == 1:
+        if v == 1:  # noqa: SIM108 (each branch carries its reasoning)
             # A single chunk is plain 1F1B; Megatron's formula below would stash
             # twice the activations for nothing.
             warmup = min(K - d - 1, M)

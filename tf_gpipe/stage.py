@@ -77,14 +77,14 @@ def choose_jit(cells: List[Cell], jit_compile: Any, run_eagerly: bool = False) -
     return choices
 
 
-def functions(cell: Cell) -> "StageFunctions":
+def functions(cell: Cell) -> StageFunctions:
     """The stage functions of ``cell``, made on first use and remade when its XLA choice changes."""
     fns = getattr(cell, "_stage_functions", None)
     jit = bool(getattr(cell, "jit_compile", False))
     eager = bool(getattr(cell, "run_eagerly", False))
     if fns is None or (fns.jit_compile, fns.eager) != (jit, eager):
         fns = StageFunctions(cell, jit, eager)
-        cell._stage_functions = fns
+        cell._stage_functions = fns  # type: ignore[attr-defined]
     return fns
 
 
@@ -108,8 +108,8 @@ class StageFunctions:
         # Per trainable variable (by id): where fit's backward passes sum its gradient.
         # Kept on the cell: they outlive a remake of its functions (a new XLA choice).
         if not hasattr(cell, "_gradient_sums"):
-            cell._gradient_sums = {}
-        self._sums: Dict[int, tf.Variable] = cell._gradient_sums
+            cell._gradient_sums = {}  # type: ignore[attr-defined]
+        self._sums: Dict[int, tf.Variable] = cell._gradient_sums  # type: ignore[attr-defined]
         # Found while tracing: the variables that get a gradient, and those that get rows.
         self.graded: set = set()
         self.sparse: set = set()
@@ -240,9 +240,9 @@ class StageFunctions:
         local = DeferredStats() if bns else None
         # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"):
-            with checkpoint._RecordingScope() as scope:
-                with local.capture(bns, nonempty) if bns else contextlib.nullcontext():
-                    outputs, out_mask = cell.call(inputs, mask, training, side)
+            capture = local.capture(bns, nonempty) if bns else contextlib.nullcontext()
+            with checkpoint._RecordingScope() as scope, capture:
+                outputs, out_mask = cell.call(inputs, mask, training, side)
             skipped = local.skipped_variables(bns) if bns else set()
             written = [v for k, v in scope.written.items() if k not in skipped]
             before = [checkpoint._read(v) for v in written]
@@ -380,4 +380,3 @@ class StageFunctions:
             if not to_sums:
                 return in_grads, var_grads
             return in_grads, self._add_grads(var_grads)
-

@@ -12,7 +12,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from tf_gpipe import microbatch, schedules, structure
 from tf_gpipe.executor import accumulate, run_schedule
 
-__all__ = ["train_step", "colocate_slots", "shares"]
+__all__ = ["colocate_slots", "shares", "train_step"]
 
 
 def shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
@@ -162,7 +162,7 @@ def train_step(model: Any, data: Any) -> dict:
             final.append(total)
         opt.apply_gradients(zip(final, trainable))
     else:
-        warnings.warn("The model does not have any trainable weights.")
+        warnings.warn("The model does not have any trainable weights.", stacklevel=2)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
