@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope
+from keras import StatelessScope
 
 from tf_gpipe.cell import Cell
+from tf_gpipe.keras_compat import current_stateless_scope
 
 __all__ = ["Record", "backward", "checkpointed", "forward", "is_recomputing"]
 
@@ -63,7 +64,7 @@ class _RecordingScope(StatelessScope):
 
 def _read(variable) -> tf.Tensor:
     """The variable's value as stored (no autocast), honouring an enclosing StatelessScope."""
-    scope = get_stateless_scope()
+    scope = current_stateless_scope()
     if scope is not None:
         value = scope.get_current_value(variable)
         if value is not None:

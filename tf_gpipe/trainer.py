@@ -5,11 +5,10 @@ from __future__ import annotations
 import warnings
 from typing import Any, List
 
+import keras
 import tensorflow as tf
-from keras.src.losses import loss as _loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
 
-from tf_gpipe import microbatch, schedules, structure
+from tf_gpipe import keras_compat, microbatch, schedules, structure
 from tf_gpipe.executor import accumulate, run_schedule
 
 __all__ = ["colocate_slots", "shares", "train_step"]
@@ -49,11 +48,11 @@ def colocate_slots(optimizer: Any) -> None:
 def train_step(model: Any, data: Any) -> dict:
     """One mini-batch: the schedule's forwards and backwards stage by stage,
     gradients summed per device, one optimizer update, metrics on the whole batch."""
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x = structure.to_tensors(x)
     # Losses an earlier call (evaluate, predict) added belong to another graph; __call__
     # would clear them, but the training step runs the stages without it.
-    model._clear_losses()
+    keras_compat.clear_losses(model)
     if not model.built:
         model._build_cells(structure.spec_from(x))
     exact = model.schedule != "gpipe"
@@ -78,7 +77,7 @@ def train_step(model: Any, data: Any) -> dict:
         with tf.GradientTape() as tape:
             tape.watch(watched)
             y_pred = joint.merge(outs, masks)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            loss = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=True)
             scaled = loss if opt is None else opt.scale_loss(loss)
         state["loss"].append(loss)
         got = tape.gradient(
@@ -133,7 +132,7 @@ def train_step(model: Any, data: Any) -> dict:
     if exact and model.losses:
         # Regularization terms read the weights directly: once per mini-batch.
         with tf.GradientTape() as tape:
-            reg = tf.add_n([model._aggregate_additional_loss(r) for r in model.losses])
+            reg = tf.add_n([keras_compat.aggregate_additional_loss(model, r) for r in model.losses])
             scaled = reg if opt is None else opt.scale_loss(reg)
         state["direct"] = tape.gradient(
             scaled, list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
@@ -146,8 +145,8 @@ def train_step(model: Any, data: Any) -> dict:
     ]
     if weighted:
         loss = loss + tf.add_n(weighted)
-    model._loss_tracker.update_state(
-        _loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+    keras_compat.loss_tracker(model).update_state(
+        keras_compat.unscale_loss_for_distribution(loss), sample_weight=batch_size
     )
     if trainable:
         final = []
@@ -179,15 +178,16 @@ def _micro_batch_loss(model: Any, y_m, out_m, mask_m, sw_m, n_m, batch_size):
     divides the loss and the summed gradients by the total valid fraction
     (``_valid_factor``): linear, so exact.
     """
-    if model._compile_loss is None:
+    compiled = keras_compat.compiled_loss(model)
+    if compiled is None:
         raise ValueError(
             f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and "
             "needs `loss=` in compile(); for a custom compute_loss use schedule='gpipe'."
         )
-    value = model._compile_loss(y_m, out_m, sw_m)
+    value = compiled(y_m, out_m, sw_m)
     reductions = {
         getattr(getattr(fl, "loss", None), "reduction", "sum_over_batch_size")
-        for fl in (model._compile_loss._flat_losses or [])
+        for fl in keras_compat.flat_compiled_losses(model)
     }
     if reductions <= {"sum"}:
         return value, None
