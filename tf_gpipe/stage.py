@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from tf_gpipe import checkpoint
+from tf_gpipe import checkpoint, keras_compat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, _attach_mask
 
@@ -31,7 +31,11 @@ __all__ = ["StageFunctions", "choose_jit", "functions", "stage_supports_jit"]
 
 def stage_supports_jit(cell: Cell) -> bool:
     """Whether every layer of ``cell`` (nested ones included) allows XLA, as Keras asks of a model."""
-    return all(getattr(sub, "supports_jit", True) for layer in cell.layers for sub in layer._flatten_layers())
+    return all(
+        getattr(sub, "supports_jit", True)
+        for layer in cell.layers
+        for sub in keras_compat.nested_layers(layer)
+    )
 
 
 def choose_jit(cells: List[Cell], jit_compile: Any, run_eagerly: bool = False) -> List[bool]:
@@ -65,7 +69,7 @@ def choose_jit(cells: List[Cell], jit_compile: Any, run_eagerly: bool = False) -
             names = [
                 sub.name
                 for layer in cell.layers
-                for sub in layer._flatten_layers()
+                for sub in keras_compat.nested_layers(layer)
                 if not getattr(sub, "supports_jit", True)
             ]
             reasons.append(f"stage {cell.index}: " + (", ".join(names) or "op determinism is on"))
