@@ -228,8 +228,8 @@ class Schedule:
 
     def _costs(self, cost: Cost, what: str) -> list[float]:
         if isinstance(cost, numbers.Real):
-            return [float(cost)] * self.num_stages
-        costs = [float(c) for c in cost]  # type: ignore[union-attr]
+            return [cost] * self.num_stages  # type: ignore[list-item]
+        costs = list(cost)  # type: ignore[arg-type]
         if len(costs) != self.num_stages:
             raise ValueError(
                 f"{what} has {len(costs)} entries, expected one per stage (num_stages={self.num_stages})"
