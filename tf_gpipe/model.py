@@ -448,7 +448,10 @@ class PipelineModel(keras.Model):
         if not self.built or getattr(self, "optimizer", None) is None:
             return
         self.optimizer.build(self.trainable_variables)
-        if self.num_micro_batches > 1:
+        self._build_gradient_sums()
+
+    def _build_gradient_sums(self) -> None:
+        if self.built and self.num_micro_batches > 1:
             from tf_gpipe import stage
 
             for cell in self._pipeline.cells:
