@@ -25,8 +25,7 @@ class ReplicatedPipeline(keras.Model):
     all-reduce through TensorFlow's runtime), and one optimizer applies the same update
     to every copy: the replicas stay identical, and the step equals one pipeline's step
     on the whole batch (for losses that average over examples; BatchNormalization
-    statistics and dropout
-    masks are per shard). ``predict``/``evaluate`` run replica 0.
+    statistics and dropout masks are per shard). ``predict``/``evaluate`` run replica 0.
 
     Args:
         make_layers: returns a new list of layers (same architecture) on each call.
