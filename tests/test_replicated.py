@@ -84,9 +84,7 @@ def test_deferred_batch_norm_moves_each_replicas_statistics_once_from_its_shard(
         alone.train_on_batch(x[10 * r : 10 * (r + 1)], y[10 * r : 10 * (r + 1)])
         (bn,) = [la for la in replica.stage_layers if isinstance(la, keras.layers.BatchNormalization)]
         (ref,) = [la for la in alone.layers if isinstance(la, keras.layers.BatchNormalization)]
-        assert_all_close(
-            [bn.moving_mean, bn.moving_variance], [ref.moving_mean, ref.moving_variance]
-        )
+        assert_all_close([bn.moving_mean, bn.moving_variance], [ref.moving_mean, ref.moving_variance])
 
 
 @pytest.fixture
