@@ -11,10 +11,10 @@ from tf_gpipe import cluster, schedules, timeline
 K, M = 2, 3  # shards of 10 examples: micro-batches of 4, 3 and 3
 
 
-def _make(bn=False, out_dtype=None):
+def _make(bn=False, out_dtype=None, regularizer=None):
     def make():
         keras.utils.set_random_seed(3)
-        layers = [keras.layers.Dense(16, activation="tanh")]
+        layers = [keras.layers.Dense(16, activation="tanh", kernel_regularizer=regularizer)]
         if bn:
             layers.append(keras.layers.BatchNormalization())
         layers += [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3, dtype=out_dtype)]
@@ -70,6 +70,15 @@ def test_1f1b_step_equals_one_sequential_step_on_the_whole_batch(cpu_devices):
             row.append((a.kind, a.stage, a.micro_batch))
         expected[d] = row
     assert _by_device(spans) == expected
+
+
+def test_gpipe_loss_adds_each_replicas_own_weight_regularizer_once(cpu_devices):
+    rp, seq = _pair(cpu_devices, _make(regularizer=keras.regularizers.L2(0.1)))
+    x, y = data(20)
+    loss_rp = rp.train_on_batch(x, y)
+    loss_seq = seq.train_on_batch(x, y)
+    np.testing.assert_allclose(loss_rp, loss_seq, rtol=1e-5)
+    assert_all_close(rp.replicas[0].get_weights(), seq.get_weights())
 
 
 def test_deferred_batch_norm_moves_each_replicas_statistics_once_from_its_shard(cpu_devices):
