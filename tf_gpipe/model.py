@@ -2,70 +2,19 @@
 
 from __future__ import annotations
 
-import copy
-import warnings
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_gpipe import microbatch, schedules, structure, trainer
+from tf_gpipe import microbatch, saving, schedules, structure, trainer
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
-from tf_gpipe.partition import check_tied_layers, split_by_balance
+from tf_gpipe.partition import balance_by_cost, check_tied_layers, split_by_balance, unpack_layers
 from tf_gpipe.pipeline import REMAT_MODES, Pipeline
 
 __all__ = ["PipelineModel"]
-
-
-def _unpack_layers(layers: Any):
-    """A flat list of layers, plus the input spec if the user gave one (keras.Input / Sequential)."""
-    spec = None
-    if isinstance(layers, keras.Sequential):
-        if layers.built and getattr(layers, "_functional", None) is not None:
-            spec = layers._functional.inputs
-            spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
-        layers = layers.layers
-    elif isinstance(layers, keras.layers.Layer):
-        raise TypeError(
-            "tf_gpipe: `layers` must be a list of Keras layers or a keras.Sequential, got the "
-            f"single layer {layers.name!r}; pass [layer]."
-        )
-    try:
-        layers = list(layers)
-    except TypeError:
-        raise TypeError(
-            "tf_gpipe: `layers` must be a list of Keras layers or a keras.Sequential, "
-            f"got {type(layers).__name__}."
-        ) from None
-    if layers and isinstance(layers[0], keras.KerasTensor):  # keras.Input(...)
-        spec = layers.pop(0)
-    elif layers and isinstance(layers[0], keras.layers.InputLayer):
-        spec = layers.pop(0).output
-    for i, layer in enumerate(layers):
-        if isinstance(layer, keras.layers.InputLayer):
-            raise ValueError(f"tf_gpipe: layers[{i}] is an InputLayer; only the first layer may be one.")
-        if not isinstance(layer, keras.layers.Layer):
-            hint = ""
-            if type(layer).__module__.startswith(("tf_keras", "tensorflow.python.keras")):
-                hint = " It is a tf.keras (Keras 2) layer; build it with `import keras` (Keras 3)."
-            raise TypeError(f"tf_gpipe: layers[{i}] is {type(layer).__name__}, not a Keras layer.{hint}")
-    return layers, spec
-
-
-def _balance_by_cost(method: str, layers: list, spec: Any, num_stages: Optional[int], v: int) -> List[int]:
-    from tf_gpipe import balance as balance_lib
-
-    if num_stages is None:
-        raise ValueError(f"tf_gpipe: balance={method!r} needs num_stages (how many stages to balance).")
-    if spec is None:
-        raise ValueError(
-            f"tf_gpipe: balance={method!r} measures each layer on a sample input, so the input "
-            "shape must be known: start the layers with keras.Input(shape=...), or compute it with "
-            f"tf_gpipe.balance.balance_by({method!r}, layers, num_stages, sample) and pass the list."
-        )
-    return balance_lib.balance_by(method, layers, num_stages * v, spec)
 
 
 @keras.saving.register_keras_serializable(package="tf_gpipe")
@@ -169,7 +118,7 @@ class PipelineModel(keras.Model):
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
-        layer_list, spec = _unpack_layers(layers)
+        layer_list, spec = unpack_layers(layers)
         if not layer_list:
             raise ValueError("tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer.")
         if (
@@ -190,7 +139,7 @@ class PipelineModel(keras.Model):
         ):
             raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
         if isinstance(balance, str):  # "params" | "time" | "memory": measured on the input spec
-            balance = _balance_by_cost(balance, layer_list, spec, num_stages, virtual_stages)
+            balance = balance_by_cost(balance, layer_list, spec, num_stages, virtual_stages)
         if balance is not None:  # balance has one entry per cell: K * virtual_stages
             groups = split_by_balance(
                 layer_list, None if num_stages is None else num_stages * virtual_stages, balance
@@ -383,27 +332,10 @@ class PipelineModel(keras.Model):
         return super()._maybe_build(call_spec)
 
     def get_build_config(self) -> dict:
-        if self._build_spec is None:
-            return {}
-        return {
-            "input_spec": tf.nest.map_structure(
-                lambda t: None if t is None else {"shape": list(t.shape), "dtype": t.dtype},
-                self._build_spec,
-            )
-        }
+        return saving.get_build_config(self)
 
     def build_from_config(self, config: dict) -> None:
-        if "input_spec" in config and not self.built:
-
-            def one(d):
-                return keras.KerasTensor(tuple(d["shape"]), dtype=d["dtype"])
-
-            spec = tree.traverse(
-                lambda d: one(d) if isinstance(d, dict) and set(d) == {"shape", "dtype"} else None,
-                config["input_spec"],
-                top_down=True,
-            )
-            self._build_cells(spec)
+        saving.build_from_config(self, config)
 
     # ------------------------------------------------------------------ running
     def _split(self, inputs: Any, mask: Any):
@@ -448,7 +380,10 @@ class PipelineModel(keras.Model):
         if not self.built or getattr(self, "optimizer", None) is None:
             return
         self.optimizer.build(self.trainable_variables)
-        if self.num_micro_batches > 1:
+        self._build_gradient_sums()
+
+    def _build_gradient_sums(self) -> None:
+        if self.built and self.num_micro_batches > 1:
             from tf_gpipe import stage
 
             for cell in self._pipeline.cells:
@@ -466,52 +401,11 @@ class PipelineModel(keras.Model):
         return trainer.train_step(self, data)
 
     def get_config(self) -> dict:
-        config = {
-            "name": self.name,
-            "trainable": self.trainable,
-            "num_micro_batches": self.num_micro_batches,
-            "devices": self._devices_arg,
-            "remat": self.remat,
-            "schedule": self.schedule,
-            "virtual_stages": self.virtual_stages,
-            "deferred_batch_norm": self.deferred_batch_norm,
-            "side_inputs": list(self.side_inputs),
-        }
-        if self._source_model is not None:  # from_model: the graph and where it was cut
-            config["source_model"] = keras.saving.serialize_keras_object(self._source_model)
-            config["node_balance"] = list(self._node_balance)
-            config["num_stages"] = self.num_stages
-        else:
-            config["layers"] = [keras.saving.serialize_keras_object(layer) for layer in self.stage_layers]
-            config["balance"] = list(self.balance)
-        return config
+        return saving.get_config(self)
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: Any = None) -> PipelineModel:
-        # Keras' deserialization consumes nested configs in place: keep the caller's intact.
-        config = copy.deepcopy(config)
-        if "source_model" in config:
-            source = keras.saving.deserialize_keras_object(
-                config.pop("source_model"), custom_objects=custom_objects
-            )
-            return cls.from_model(source, balance=config.pop("node_balance"), **config)
-        config["num_stages"] = len(config["balance"]) // config.get("virtual_stages", 1)
-        layers = [
-            keras.saving.deserialize_keras_object(c, custom_objects=custom_objects)
-            for c in config.pop("layers")
-        ]
-        devices = config.get("devices")
-        if devices is not None:
-            try:
-                resolve_devices(devices, len(devices))
-            except ValueError as e:
-                warnings.warn(
-                    f"tf_gpipe: the saved devices are not all available here ({e}); "
-                    "loading with the default devices instead.",
-                    stacklevel=2,
-                )
-                config["devices"] = None
-        return cls(layers=layers, **config)
+        return saving.from_config(cls, config, custom_objects)
 
     def to_sequential(self, name: Optional[str] = None) -> keras.Sequential:
         """An unsplit ``keras.Sequential`` copy of the layers, with the current weights.
@@ -519,20 +413,4 @@ class PipelineModel(keras.Model):
         Train pipelined, serve unsplit: the copy has no device placement and no
         micro-batching, and its ``get_weights()`` equals this model's.
         """
-        if not self.built:
-            raise ValueError("tf_gpipe: build or call the model before to_sequential().")
-        if self.side_inputs:
-            raise ValueError(
-                "tf_gpipe: a keras.Sequential cannot pass side inputs to its layers; export the "
-                "weights with get_weights() into a functional model that wires them instead."
-            )
-        clones = [layer.__class__.from_config(layer.get_config()) for layer in self.stage_layers]
-        spec = self._build_spec
-        if isinstance(spec, keras.KerasTensor):  # keep the input dtype and a free batch size
-            clones.insert(0, keras.Input(batch_shape=(None,) + tuple(spec.shape[1:]), dtype=spec.dtype))
-        seq = keras.Sequential(clones, name=name or f"{self.name}_sequential")
-        # Build the copy by running it once on zeros: a symbolic call cannot build
-        # layers that take tuples or dicts (Concatenate, custom layers).
-        seq(structure.zeros_like_spec(self._build_spec), training=False)
-        seq.set_weights(self.get_weights())
-        return seq
+        return saving.to_sequential(self, name)

@@ -1,13 +1,15 @@
-"""Partition a sequence of layers into consecutive cells (pipeline stages)."""
+"""Partition the layers a user gives (a list, a keras.Sequential) into consecutive cells (pipeline stages)."""
 
 from __future__ import annotations
 
 import numbers
 from typing import Any, List, Optional, Sequence, TypeVar
 
+import keras
+
 from tf_gpipe import keras_compat
 
-__all__ = ["check_tied_layers", "even_balance", "split_by_balance"]
+__all__ = ["balance_by_cost", "check_tied_layers", "even_balance", "split_by_balance", "unpack_layers"]
 
 T = TypeVar("T")
 
@@ -108,3 +110,52 @@ def check_tied_layers(groups: Sequence[Sequence[Any]]) -> None:
     for variable, uses in variables.values():
         if len(uses) > 1:
             _refuse("variable", getattr(variable, "path", None) or variable.name, variable, uses)
+
+
+def unpack_layers(layers: Any):
+    """A flat list of layers, plus the input spec if the user gave one (keras.Input / Sequential)."""
+    spec = None
+    if isinstance(layers, keras.Sequential):
+        if layers.built and getattr(layers, "_functional", None) is not None:
+            spec = layers._functional.inputs
+            spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
+        layers = layers.layers
+    elif isinstance(layers, keras.layers.Layer):
+        raise TypeError(
+            "tf_gpipe: `layers` must be a list of Keras layers or a keras.Sequential, got the "
+            f"single layer {layers.name!r}; pass [layer]."
+        )
+    try:
+        layers = list(layers)
+    except TypeError:
+        raise TypeError(
+            "tf_gpipe: `layers` must be a list of Keras layers or a keras.Sequential, "
+            f"got {type(layers).__name__}."
+        ) from None
+    if layers and isinstance(layers[0], keras.KerasTensor):  # keras.Input(...)
+        spec = layers.pop(0)
+    elif layers and isinstance(layers[0], keras.layers.InputLayer):
+        spec = layers.pop(0).output
+    for i, layer in enumerate(layers):
+        if isinstance(layer, keras.layers.InputLayer):
+            raise ValueError(f"tf_gpipe: layers[{i}] is an InputLayer; only the first layer may be one.")
+        if not isinstance(layer, keras.layers.Layer):
+            hint = ""
+            if type(layer).__module__.startswith(("tf_keras", "tensorflow.python.keras")):
+                hint = " It is a tf.keras (Keras 2) layer; build it with `import keras` (Keras 3)."
+            raise TypeError(f"tf_gpipe: layers[{i}] is {type(layer).__name__}, not a Keras layer.{hint}")
+    return layers, spec
+
+
+def balance_by_cost(method: str, layers: list, spec: Any, num_stages: Optional[int], v: int) -> List[int]:
+    from tf_gpipe import balance as balance_lib
+
+    if num_stages is None:
+        raise ValueError(f"tf_gpipe: balance={method!r} needs num_stages (how many stages to balance).")
+    if spec is None:
+        raise ValueError(
+            f"tf_gpipe: balance={method!r} measures each layer on a sample input, so the input "
+            "shape must be known: start the layers with keras.Input(shape=...), or compute it with "
+            f"tf_gpipe.balance.balance_by({method!r}, layers, num_stages, sample) and pass the list."
+        )
+    return balance_lib.balance_by(method, layers, num_stages * v, spec)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, List
+from typing import Any, List, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -11,7 +11,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat, microbatch, schedules, structure
 from tf_gpipe.executor import accumulate, run_schedule
 
-__all__ = ["colocate_slots", "shares", "train_step"]
+__all__ = ["Gradients", "colocate_slots", "gradients", "shares", "train_step"]
 
 
 def shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
@@ -45,9 +45,40 @@ def colocate_slots(optimizer: Any) -> None:
     optimizer._tf_gpipe_colocated = True
 
 
+class Gradients(NamedTuple):
+    """What one mini-batch's schedule computed, before any optimizer update."""
+
+    grads: List[Any]  # per variable of model.trainable_weights (None: no gradient), loss-scaled
+    loss: tf.Tensor  # the mini-batch's loss, as fit reports it (not loss-scaled)
+    y_pred: Any  # the last stage's outputs, micro-batches merged
+    batch_size: tf.Tensor
+
+
 def train_step(model: Any, data: Any) -> dict:
     """One mini-batch: the schedule's forwards and backwards stage by stage,
     gradients summed per device, one optimizer update, metrics on the whole batch."""
+    step = gradients(model, data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    keras_compat.loss_tracker(model).update_state(
+        keras_compat.unscale_loss_for_distribution(step.loss), sample_weight=step.batch_size
+    )
+    if model.trainable_weights:
+        model.optimizer.apply_gradients(zip(step.grads, model.trainable_weights))
+    else:
+        warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+    return model.compute_metrics(structure.to_tensors(x), y, step.y_pred, sample_weight=sample_weight)
+
+
+def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = None) -> Gradients:
+    """The schedule's forwards and backwards for one mini-batch ``data`` of ``model``
+    (a PipelineModel): the loss, each trainable variable's gradient summed per device,
+    and the merged outputs. Deferred BatchNormalization statistics are applied.
+
+    ``optimizer`` (default ``model.optimizer``) scales the loss (``scale_loss``, mixed
+    precision): the gradients are scaled, as its ``apply_gradients`` expects.
+    ``loss_model`` (default ``model``) holds the loss of ``compile(loss=...)``; the
+    losses that layers add are ``model``'s own.
+    """
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     x = structure.to_tensors(x)
     # Losses an earlier call (evaluate, predict) added belong to another graph; __call__
@@ -55,6 +86,7 @@ def train_step(model: Any, data: Any) -> dict:
     keras_compat.clear_losses(model)
     if not model.built:
         model._build_cells(structure.spec_from(x))
+    loss_model = model if loss_model is None else loss_model
     exact = model.schedule != "gpipe"
     main, side = model._separate(x)
     multiple_of = model.num_stages if model.schedule == "interleaved" else 1
@@ -62,7 +94,7 @@ def train_step(model: Any, data: Any) -> dict:
     xs = joint.select(0)
     plan = schedules.get(model.schedule, model.num_stages, len(xs), model.virtual_stages)
     trainable = model.trainable_weights
-    opt = model.optimizer
+    opt = model.optimizer if optimizer is None else optimizer
     unit = tf.constant(1.0) if opt is None else tf.convert_to_tensor(opt.scale_loss(tf.constant(1.0)))
     batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
     weights = shares(joint.sizes, batch_size)
@@ -77,7 +109,7 @@ def train_step(model: Any, data: Any) -> dict:
         with tf.GradientTape() as tape:
             tape.watch(watched)
             y_pred = joint.merge(outs, masks)
-            loss = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=True)
+            loss = _whole_batch_loss(model, loss_model, x, y, y_pred, sample_weight)
             scaled = loss if opt is None else opt.scale_loss(loss)
         state["loss"].append(loss)
         got = tape.gradient(
@@ -94,7 +126,9 @@ def train_step(model: Any, data: Any) -> dict:
         with tf.GradientTape() as tape:
             tape.watch(watched)
             # ``out`` still carries its Keras mask (set by its last layer): the loss sees it.
-            value, valid = _micro_batch_loss(model, y_m, out, mask, sw_m, joint.sizes[m], batch_size)
+            value, valid = _micro_batch_loss(
+                model, loss_model, y_m, out, mask, sw_m, joint.sizes[m], batch_size
+            )
             if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
                 value = tf.reduce_sum(value)
             nonempty = joint.nonempty(m)
@@ -145,27 +179,34 @@ def train_step(model: Any, data: Any) -> dict:
     ]
     if weighted:
         loss = loss + tf.add_n(weighted)
-    keras_compat.loss_tracker(model).update_state(
-        keras_compat.unscale_loss_for_distribution(loss), sample_weight=batch_size
-    )
-    if trainable:
-        final = []
-        for v, g in zip(trainable, state["direct"]):
-            total = totals.get(id(v))
-            if factor is not None and total is not None:
-                with tf.device(v.value.device):
-                    total = _scale(total, factor)
-            if g is not None:
-                with tf.device(v.value.device):
-                    total = accumulate(total, g)
-            final.append(total)
-        opt.apply_gradients(zip(final, trainable))
-    else:
-        warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    final = []
+    for v, g in zip(trainable, state["direct"]):
+        total = totals.get(id(v))
+        if factor is not None and total is not None:
+            with tf.device(v.value.device):
+                total = _scale(total, factor)
+        if g is not None:
+            with tf.device(v.value.device):
+                total = accumulate(total, g)
+        final.append(total)
+    return Gradients(final, loss, y_pred, batch_size)
 
 
-def _micro_batch_loss(model: Any, y_m, out_m, mask_m, sw_m, n_m, batch_size):
+def _whole_batch_loss(model: Any, loss_model: Any, x, y, y_pred, sample_weight):
+    """The loss of the whole mini-batch, as ``keras.Model.train_step`` computes it."""
+    if loss_model is model:  # compute_loss, which a model may override
+        return keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=True)
+    # Another model's compiled loss (a ReplicatedPipeline's), plus this pipeline's own
+    # losses: the other's compute_loss would add every replica's.
+    compiled = keras_compat.compiled_loss(loss_model)
+    terms = [] if compiled is None else [compiled(y, y_pred, sample_weight)]
+    terms += [keras_compat.aggregate_additional_loss(loss_model, r) for r in model.losses]
+    if not terms:
+        raise ValueError("tf_gpipe: no loss to compute; give `loss=` in compile().")
+    return tf.add_n(terms) if len(terms) > 1 else terms[0]
+
+
+def _micro_batch_loss(model: Any, loss_model: Any, y_m, out_m, mask_m, sw_m, n_m, batch_size):
     """The compiled loss of one micro-batch, weighted so the micro-batches sum to
     the mini-batch loss (1F1B must start a backward before the batch is complete).
 
@@ -178,7 +219,7 @@ def _micro_batch_loss(model: Any, y_m, out_m, mask_m, sw_m, n_m, batch_size):
     divides the loss and the summed gradients by the total valid fraction
     (``_valid_factor``): linear, so exact.
     """
-    compiled = keras_compat.compiled_loss(model)
+    compiled = keras_compat.compiled_loss(loss_model)
     if compiled is None:
         raise ValueError(
             f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and "
@@ -187,7 +228,7 @@ def _micro_batch_loss(model: Any, y_m, out_m, mask_m, sw_m, n_m, batch_size):
     value = compiled(y_m, out_m, sw_m)
     reductions = {
         getattr(getattr(fl, "loss", None), "reduction", "sum_over_batch_size")
-        for fl in keras_compat.flat_compiled_losses(model)
+        for fl in keras_compat.flat_compiled_losses(loss_model)
     }
     if reductions <= {"sum"}:
         return value, None

@@ -7,7 +7,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, trainer
 
 __all__ = ["ReplicatedPipeline"]
 
@@ -18,13 +18,14 @@ class ReplicatedPipeline(keras.Model):
     Replica ``r`` is a ``PipelineModel`` of fresh layers from ``make_layers()`` on the
     devices ``device_groups[r]``; all start from replica 0's weights. A training step
     cuts the global batch into R equal shards, each replica computes its shard's loss
-    and gradients through its own pipeline (micro-batches, re-materialization),
-    ``tf.distribute.ReductionToOneDevice`` averages each variable's R gradients and
-    sends the mean back to every replica's device (an all-reduce through TensorFlow's
-    runtime), and one optimizer applies the same update to every copy: the replicas
-    stay identical, and the step equals one pipeline's step on the whole batch (for
-    losses that average over examples; BatchNormalization statistics and dropout
-    masks are per shard). ``predict``/``evaluate`` run replica 0.
+    and gradients through its own pipeline as ``PipelineModel.fit`` does (micro-batches,
+    ``schedule``, re-materialization, deferred BatchNormalization, mixed-precision loss
+    scaling by this model's optimizer), ``tf.distribute.ReductionToOneDevice`` averages
+    each variable's R gradients and sends the mean back to every replica's device (an
+    all-reduce through TensorFlow's runtime), and one optimizer applies the same update
+    to every copy: the replicas stay identical, and the step equals one pipeline's step
+    on the whole batch (for losses that average over examples; BatchNormalization
+    statistics and dropout masks are per shard). ``predict``/``evaluate`` run replica 0.
 
     Args:
         make_layers: returns a new list of layers (same architecture) on each call.
@@ -78,16 +79,23 @@ class ReplicatedPipeline(keras.Model):
         for replica in self.replicas[1:]:
             replica.set_weights(weights)
         self.built = True
+        if getattr(self, "optimizer", None) is not None:
+            self._build_gradient_sums()
+
+    def _build_gradient_sums(self) -> None:
+        # Before the first trace of the step (see PipelineModel._build_training_state).
+        for replica in self.replicas:
+            replica._build_gradient_sums()
 
     def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
         return self.replicas[0](inputs, training=training)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        from tf_gpipe.trainer import colocate_slots
-
         kwargs["jit_compile"] = False  # XLA would ignore the stage placement
         super().compile(*args, **kwargs)
-        colocate_slots(self.optimizer)  # each slot on its variable's (replica's) device
+        trainer.colocate_slots(self.optimizer)  # each slot on its variable's (replica's) device
+        if self.built:
+            self._build_gradient_sums()
 
     def _all_reduce_mean(self, grads: List[List[Any]]) -> List[List[Any]]:
         from tensorflow.python.distribute import values as _values  # PerReplica: no public constructor
@@ -113,21 +121,19 @@ class ReplicatedPipeline(keras.Model):
                 f"use a batch_size divisible by {R} (and drop_remainder=True for datasets)."
             )
         shards = [tf.split(t, R) if t is not None else [None] * R for t in (x, y, sample_weight)]
-        compute_loss = keras_compat.compiled_loss(self)
-        grads, outs, losses = [], [], []
+        steps = []
         for r, replica in enumerate(self.replicas):
-            xr, yr, swr = (shards[0][r], shards[1][r], shards[2][r])
-            with tf.GradientTape() as tape:
-                out = replica(xr, training=True)
-                loss = compute_loss(yr, out, swr)
-                if replica.losses:  # weight regularizers, activity regularizers
-                    loss = loss + tf.add_n(replica.losses)
-            grads.append(tape.gradient(loss, replica.trainable_variables))
-            outs.append(out)
-            losses.append(loss)
-        mean = self._all_reduce_mean(grads)
+            # Each replica runs its shard through its own pipeline exactly as PipelineModel.fit
+            # would (schedule, loss scaling, deferred BatchNorm), with this model's loss.
+            shard = (shards[0][r], shards[1][r], shards[2][r])
+            steps.append(trainer.gradients(replica, shard, self.optimizer, loss_model=self))
+        # The gradients stay loss-scaled: apply_gradients unscales the mean once.
+        mean = self._all_reduce_mean([s.grads for s in steps])
         pairs = [zip(mean[r], replica.trainable_variables) for r, replica in enumerate(self.replicas)]
         self.optimizer.apply_gradients([pair for replica_pairs in pairs for pair in replica_pairs])
-        loss = tf.add_n(losses) / R
-        keras_compat.loss_tracker(self).update_state(loss, sample_weight=tf.shape(x)[0])
-        return self.compute_metrics(x, y, tf.concat(outs, 0), sample_weight=sample_weight)
+        loss = tf.add_n([s.loss for s in steps]) / R
+        keras_compat.loss_tracker(self).update_state(
+            keras_compat.unscale_loss_for_distribution(loss), sample_weight=tf.shape(x)[0]
+        )
+        y_pred = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *[s.y_pred for s in steps])
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

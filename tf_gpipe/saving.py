@@ -1,0 +1,118 @@
+"""Saving a PipelineModel: its config and build config, and an unsplit keras.Sequential copy."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from tf_gpipe import structure
+from tf_gpipe.devices import resolve_devices
+
+__all__ = ["build_from_config", "from_config", "get_build_config", "get_config", "to_sequential"]
+
+
+def get_build_config(model: Any) -> dict:
+    """The input spec the model was built for: ``load_model`` rebuilds it before loading weights."""
+    if model._build_spec is None:
+        return {}
+    return {
+        "input_spec": tf.nest.map_structure(
+            lambda t: None if t is None else {"shape": list(t.shape), "dtype": t.dtype},
+            model._build_spec,
+        )
+    }
+
+
+def build_from_config(model: Any, config: dict) -> None:
+    """Build the stages for the saved input spec (nested inputs and their dtypes included)."""
+    if "input_spec" in config and not model.built:
+
+        def one(d):
+            return keras.KerasTensor(tuple(d["shape"]), dtype=d["dtype"])
+
+        spec = tree.traverse(
+            lambda d: one(d) if isinstance(d, dict) and set(d) == {"shape", "dtype"} else None,
+            config["input_spec"],
+            top_down=True,
+        )
+        model._build_cells(spec)
+
+
+def get_config(model: Any) -> dict:
+    """The constructor arguments (or ``from_model``'s source graph and cut) as a Keras config."""
+    config = {
+        "name": model.name,
+        "trainable": model.trainable,
+        "num_micro_batches": model.num_micro_batches,
+        "devices": model._devices_arg,
+        "remat": model.remat,
+        "schedule": model.schedule,
+        "virtual_stages": model.virtual_stages,
+        "deferred_batch_norm": model.deferred_batch_norm,
+        "side_inputs": list(model.side_inputs),
+    }
+    if model._source_model is not None:  # from_model: the graph and where it was cut
+        config["source_model"] = keras.saving.serialize_keras_object(model._source_model)
+        config["node_balance"] = list(model._node_balance)
+        config["num_stages"] = model.num_stages
+    else:
+        config["layers"] = [keras.saving.serialize_keras_object(layer) for layer in model.stage_layers]
+        config["balance"] = list(model.balance)
+    return config
+
+
+def from_config(cls: Any, config: dict, custom_objects: Any = None) -> Any:
+    """A new ``cls`` (PipelineModel) from ``get_config``'s output."""
+    # Keras' deserialization consumes nested configs in place: keep the caller's intact.
+    config = copy.deepcopy(config)
+    if "source_model" in config:
+        source = keras.saving.deserialize_keras_object(
+            config.pop("source_model"), custom_objects=custom_objects
+        )
+        return cls.from_model(source, balance=config.pop("node_balance"), **config)
+    config["num_stages"] = len(config["balance"]) // config.get("virtual_stages", 1)
+    layers = [
+        keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")
+    ]
+    devices = config.get("devices")
+    if devices is not None:
+        try:
+            resolve_devices(devices, len(devices))
+        except ValueError as e:
+            warnings.warn(
+                f"tf_gpipe: the saved devices are not all available here ({e}); "
+                "loading with the default devices instead.",
+                stacklevel=3,  # the caller of PipelineModel.from_config
+            )
+            config["devices"] = None
+    return cls(layers=layers, **config)
+
+
+def to_sequential(model: Any, name: Optional[str] = None) -> keras.Sequential:
+    """An unsplit ``keras.Sequential`` copy of the layers, with the current weights.
+
+    Train pipelined, serve unsplit: the copy has no device placement and no
+    micro-batching, and its ``get_weights()`` equals the model's.
+    """
+    if not model.built:
+        raise ValueError("tf_gpipe: build or call the model before to_sequential().")
+    if model.side_inputs:
+        raise ValueError(
+            "tf_gpipe: a keras.Sequential cannot pass side inputs to its layers; export the "
+            "weights with get_weights() into a functional model that wires them instead."
+        )
+    clones = [layer.__class__.from_config(layer.get_config()) for layer in model.stage_layers]
+    spec = model._build_spec
+    if isinstance(spec, keras.KerasTensor):  # keep the input dtype and a free batch size
+        clones.insert(0, keras.Input(batch_shape=(None,) + tuple(spec.shape[1:]), dtype=spec.dtype))
+    seq = keras.Sequential(clones, name=name or f"{model.name}_sequential")
+    # Build the copy by running it once on zeros: a symbolic call cannot build
+    # layers that take tuples or dicts (Concatenate, custom layers).
+    seq(structure.zeros_like_spec(model._build_spec), training=False)
+    seq.set_weights(model.get_weights())
+    return seq
