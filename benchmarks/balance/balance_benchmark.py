@@ -21,7 +21,7 @@ their stage's device. remat="never" by default: a backward costs b = 2f.
 
 Run (about 6 minutes on 2 busy cores):
 
-    cd /work/main && PYTHONPATH=. python3 benchmarks/balance_benchmark.py
+    python3 benchmarks/balance_benchmark.py
 
 Prints a Markdown table; writes benchmarks/out/balance.{json,png} and
 benchmarks/BALANCE.md. Never run by the tests.
@@ -37,8 +37,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # also puts the repo root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -49,8 +49,8 @@ flags.DEFINE_enum("remat", "never", ["never", "always"], "PipelineModel remat mo
 flags.DEFINE_integer("profile_repeats", 7, "repeats for balance.by_time (median kept).")
 flags.DEFINE_integer("warmup", 1, "Untimed train_on_batch calls after the first (tracing) one.")
 flags.DEFINE_integer("steps", 5, "Timed rounds: one train_on_batch per configuration each (median kept).")
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
-flags.DEFINE_string("md", os.path.join(_common.REPO_ROOT, "benchmarks", "BALANCE.md"), "Report to write.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("md", os.path.join(harness.REPO_ROOT, "benchmarks", "BALANCE.md"), "Report to write.")
 
 # (name, time units, parameter units)
 MODEL = [("embedding", 1, 12)] + [(f"block_{i}", 1, 1) for i in range(10)] + [("head", 5, 3)]
@@ -96,7 +96,7 @@ def make_layer_class(sd, keras, tf, tf_gpipe):
 
 def main(argv):
     del argv
-    import _serial_device as sd
+    import serial_device as sd
 
     sd.configure_threads(inter_op=64, intra_op=2)  # before TensorFlow initializes
     import tf_gpipe
@@ -113,7 +113,7 @@ def main(argv):
     CostLayer = make_layer_class(sd, keras, tf, tf_gpipe)
     unit = FLAGS.unit_ms
     units = [t for _, t, _ in MODEL]
-    load_start, wall_start = _common.loadavg(), time.perf_counter()
+    load_start, wall_start = harness.loadavg(), time.perf_counter()
 
     def layers_for(bal, lock_of=None):
         stage_of = [s for s, n in enumerate(bal) for _ in range(n)]
@@ -183,7 +183,7 @@ def main(argv):
             t0 = time.perf_counter()
             model.train_on_batch(x, y)  # returns numpy logs: synchronizes
             r["times_ms"].append((time.perf_counter() - t0) * 1e3)
-            r["loads"].append(_common.loadavg())
+            r["loads"].append(harness.loadavg())
     for r in results:
         r["measured_ms"] = statistics.median(r["times_ms"])
         print(f"M={r['M']:2d} {r['method']:32s} balance={r['balance']} units={r['stage_units']} "
@@ -191,13 +191,13 @@ def main(argv):
               f"predicted={r['predicted_ms']:.0f} ms ideal={r['ideal_ms']:.0f} ms", flush=True)  # fmt: skip
 
     # ------------------------------------------------------------------ report
-    load_end = _common.loadavg()
+    load_end = harness.loadavg()
     table = markdown_table(results)
     profile_rows = [
         [name, t, f"{3 * t * unit:.1f}", f"{s * 1e3:.1f}", f"{p:,.0f}", f"{m / 1024:.1f}"]
         for (name, t, _), s, p, m in zip(MODEL, costs["time"], costs["params"], costs["memory"])
     ]
-    profile_table = _common.md_table(
+    profile_table = harness.md_table(
         ["layer", "time units", "true f+b ms", "by_time ms", "by_params", "by_memory KiB"], profile_rows
     )
     rep = balance.report(
@@ -211,7 +211,7 @@ def main(argv):
     print("\n" + table + "\n\n" + rep)
     os.makedirs(FLAGS.out, exist_ok=True)
     with open(os.path.join(FLAGS.out, "balance.json"), "w") as fh:
-        json.dump(dict(env=_common.env_lines(), load_start=load_start, load_end=load_end, unit_ms=unit,
+        json.dump(dict(env=harness.env_lines(), load_start=load_start, load_end=load_end, unit_ms=unit,
                        model=MODEL, costs=costs, results=results), fh, indent=1)  # fmt: skip
     png = os.path.join(FLAGS.out, "balance.png")
     plot(results, png)
@@ -237,7 +237,7 @@ def markdown_table(results) -> str:
                      f"{even[M] / r['ideal_ms']:.2f}x", "-", f"{r['ideal_bubble']:.1%}"])  # fmt: skip
     headers = ["M", "partition", "balance", "stage time units", "predicted ms", "measured ms",
                "speed-up vs even", "predicted / measured", "bubble (predicted)"]  # fmt: skip
-    return _common.md_table(headers, rows)
+    return harness.md_table(headers, rows)
 
 
 def plot(results, path) -> None:
@@ -291,7 +291,7 @@ def write_md(table, profile_table, rep, load_start, load_end, profile_s, observe
         for name in ("stages", "micro_batches", "unit_ms", "remat", "profile_repeats", "warmup", "steps")
         for v in [FLAGS[name].value]
     )
-    env = "\n".join(f"- {line}" for line in _common.env_lines())
+    env = "\n".join(f"- {line}" for line in harness.env_lines())
     text = f"""# Balancing benchmark (`tf_gpipe.balance`)
 
 {__doc__.split("Run (")[0].strip()}
@@ -299,13 +299,13 @@ def write_md(table, profile_table, rep, load_start, load_end, profile_s, observe
 ## Command
 
 ```
-cd /work/main && PYTHONPATH=. python3 benchmarks/balance_benchmark.py {flags_used}
+python3 benchmarks/balance_benchmark.py {flags_used}
 ```
 
 ## Environment
 
 {env}
-- {_common.tf_gpipe_line()}
+- {harness.tf_gpipe_line()}
 - inter_op=64 so that K sleeping devices never starve TensorFlow's thread pool; total wall {wall_s:.0f} s
 - `cat /proc/loadavg` at start: `{load_start}`; at end: `{load_end}` (other jobs share the 2 cores:
   sleeps are immune, tf_gpipe's per-action overhead is not)

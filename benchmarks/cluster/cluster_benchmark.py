@@ -25,7 +25,7 @@ boundary per step (input and boundary activation forward, its gradient backward)
 
 Run (about 6-10 minutes on 2 busy cores with the defaults):
 
-    cd /work/main && PYTHONPATH=. python3 benchmarks/cluster_benchmark.py
+    python3 benchmarks/cluster_benchmark.py
 
 Writes benchmarks/out/cluster_benchmark.png and .json and prints a Markdown table.
 Never run by the tests.
@@ -42,8 +42,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # also puts the repo root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -54,7 +54,7 @@ flags.DEFINE_integer("rounds", 3, "Rounds; each runs one client per placement.")
 flags.DEFINE_integer("steps", 10, "Timed steps per width per client.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps per width per client (the first traces).")
 flags.DEFINE_integer("max_step_seconds", 30, "Fewer steps for a width whose warm-up step is slower.")
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string("from_json", "", "Only redraw the table and plot from the JSON of an earlier run.")
 flags.DEFINE_bool("child", False, "Internal: time every width in this process, print RESULT lines.")
 flags.DEFINE_enum("mode", "local", ["local", "worker1", "workers2"], "Internal (child): placement.")
@@ -132,7 +132,7 @@ def run_child(mode: str, tf_config: str | None) -> list:
     env.pop("TF_CONFIG", None)
     if tf_config:
         env["TF_CONFIG"] = tf_config
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_common.REPO_ROOT, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [harness.REPO_ROOT, env.get("PYTHONPATH")]))
     argv = [
         sys.executable,
         os.path.abspath(__file__),
@@ -242,7 +242,7 @@ def render(report: dict) -> str:
     add_ratios(rows)
     batch = report.get("batch", FLAGS.batch)
     plot(rows, os.path.join(FLAGS.out, "cluster_benchmark.png"))
-    return _common.md_table(
+    return harness.md_table(
         [
             "W",
             "boundary MB/step",
@@ -289,7 +289,7 @@ def main(argv) -> None:
         return
     from tf_gpipe.cluster import LocalCluster
 
-    load_start = _common.loadavg()
+    load_start = harness.loadavg()
     results: dict = {}
     with LocalCluster(1, devices_per_worker=2) as one, LocalCluster(2) as two:
         configs = {"local": None, "worker1": one.tf_config, "workers2": two.tf_config}
@@ -304,10 +304,10 @@ def main(argv) -> None:
     command = "cd /work/main && PYTHONPATH=. python3 " + " ".join(script)
     report = {
         "command": command,
-        "env": _common.env_lines() + [_common.tf_gpipe_line()],
+        "env": harness.env_lines() + [harness.tf_gpipe_line()],
         "batch": FLAGS.batch,
         "loadavg_start": load_start,
-        "loadavg_end": _common.loadavg(),
+        "loadavg_end": harness.loadavg(),
         "rows": summarize(results),
     }
     table = render(report)

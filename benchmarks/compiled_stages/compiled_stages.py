@@ -35,8 +35,8 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -197,7 +197,7 @@ def measure_xla():
         )
     print(f"\n### XLA: jit_compile={jit!r} for both (Sequential jit=False for context)\n")
     print(
-        _common.md_table(
+        harness.md_table(
             ["model", "median step (ms)", "ratio to Sequential (paired median)"],
             _ratio_rows(times, "keras.Sequential"),
         )
@@ -254,7 +254,7 @@ def measure_first():
         )
     print(f"\n### First train_on_batch (trace + compile + run), jit_compile={FLAGS.jit}\n")
     print(
-        _common.md_table(
+        harness.md_table(
             [
                 "model",
                 "first step (s)",
@@ -293,7 +293,7 @@ def measure_accum():
         "pipeline vs plain micro-batching\n"
     )
     print(
-        _common.md_table(
+        harness.md_table(
             ["model", "median step (ms)", "ratio (paired median)"],
             _ratio_rows(times, f"Keras, {FLAGS.accum_m} micro-batches summed"),
         )
@@ -305,9 +305,9 @@ def main(argv):
     del argv
     if FLAGS.child:
         return _first_child(FLAGS.child)
-    print("\n".join(_common.env_lines()))
-    print(_common.tf_gpipe_line())
-    print(f"load before: {_common.loadavg()}")
+    print("\n".join(harness.env_lines()))
+    print(harness.tf_gpipe_line())
+    print(f"load before: {harness.loadavg()}")
     results = {}
     if "first" in FLAGS.mode:  # fresh processes: run before this one initializes TensorFlow
         results["first"] = measure_first()
@@ -318,7 +318,7 @@ def main(argv):
             _setup_devices(1)
         if "xla" in FLAGS.mode:
             results["xla"] = measure_xla()
-    print(f"\nload after: {_common.loadavg()}")
+    print(f"\nload after: {harness.loadavg()}")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -28,7 +28,7 @@ affected by other processes competing for the cores.
 
 Run (about 4-8 minutes on 2 cores with the defaults, depending on load):
 
-    cd /work/main && PYTHONPATH=. python3 benchmarks/overhead.py
+    python3 benchmarks/overhead.py
 
 Outputs a Markdown table on stdout, benchmarks/out/overhead.png and
 benchmarks/out/overhead.json. Never run by the tests.
@@ -44,8 +44,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # also puts the repo root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -63,7 +63,7 @@ flags.DEFINE_bool("xla", True, "Also time plain keras.Sequential with jit_compil
 flags.DEFINE_bool("remat_rows", False, "Also time PipelineModel(K=1) with remat='always' (M=1 and M=M).")
 flags.DEFINE_string("optimizer", "adam", "Optimizer for every variant: adam or sgd.")
 flags.DEFINE_integer("seed", 0, "Seed for weights and data.")
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 
 
 def parse_config(name: str):
@@ -74,7 +74,7 @@ def parse_config(name: str):
 
 def main(argv):
     del argv
-    load_start = _common.loadavg()
+    load_start = harness.loadavg()
     import keras
     import numpy as np
     import tensorflow as tf
@@ -140,16 +140,16 @@ def main(argv):
         return model
 
     print("# tf_gpipe overhead benchmark\n")
-    for line in _common.env_lines():
+    for line in harness.env_lines():
         print(f"- {line}")
-    print(f"- {_common.tf_gpipe_line()}")
+    print(f"- {harness.tf_gpipe_line()}")
     print(f"- loadavg at start: {load_start}")
     ours = [f.name for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])]
     print("- flags: " + " ".join(f"--{k}={FLAGS[k].value}" for k in ours) + "\n", flush=True)
 
     results = {
-        "env": _common.env_lines(),
-        "tf_gpipe": _common.tf_gpipe_line(),
+        "env": harness.env_lines(),
+        "tf_gpipe": harness.tf_gpipe_line(),
         "load_start": load_start,
         "configs": {},
     }
@@ -262,7 +262,7 @@ def main(argv):
             ]
         print()
         print(
-            _common.md_table(
+            harness.md_table(
                 ["variant", "median ms/step", "IQR ms", "min ms", "median CPU ms/step", "jit_compile"],
                 [
                     [
@@ -296,7 +296,7 @@ def main(argv):
                 ]
             )
         print(
-            _common.md_table(
+            harness.md_table(
                 ["ratio", "ratio of medians", "median paired ratio", "CPU-time ratio"], comp_rows
             )
         )
@@ -313,11 +313,11 @@ def main(argv):
         }
         del variants
 
-    load_end = _common.loadavg()
+    load_end = harness.loadavg()
     results["load_end"] = load_end
     print("## Summary (target: pipe K=1 M=1 / plain jit=False <= 1.05)\n")
     print(
-        _common.md_table(
+        harness.md_table(
             [
                 "config",
                 "A / B",
@@ -355,7 +355,7 @@ def main(argv):
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("ms / training step (median, IQR)")
         ax.set_title(c)
-    fig.suptitle(f"tf_gpipe PipelineModel(K=1) vs plain Keras, {_common.cpu_model()}, {os.cpu_count()} cores")
+    fig.suptitle(f"tf_gpipe PipelineModel(K=1) vs plain Keras, {harness.cpu_model()}, {os.cpu_count()} cores")
     fig.tight_layout()
     path = os.path.join(FLAGS.out, "overhead.png")
     fig.savefig(path, dpi=110)
