@@ -3,7 +3,7 @@
 The model is 12 layers on K=4 modelled devices: an "embedding" (1 time unit,
 12 parameter units), ten "blocks" (1 time unit, 1 parameter unit each) and a
 "head" (5 time units, 3 parameter units). Every layer is a ``CostLayer``: a
-``SerialWork`` (benchmarks/_serial_device.py) whose forward holds its stage's
+``SerialWork`` (benchmarks/serial_device.py) whose forward holds its stage's
 device lock and sleeps ``units * unit_ms`` and whose backward sleeps twice
 that, plus ``1000 * param_units`` weights that cost no time. So time and
 parameters disagree exactly where real models do (an embedding table is big
@@ -21,15 +21,14 @@ their stage's device. remat="never" by default: a backward costs b = 2f.
 
 Run (about 6 minutes on 2 busy cores):
 
-    python3 benchmarks/balance_benchmark.py
+    python3 benchmarks/balance/balance_benchmark.py
 
 Prints a Markdown table; writes benchmarks/out/balance.{json,png} and
-benchmarks/BALANCE.md. Never run by the tests.
+benchmarks/balance/README.md (--md). Never run by the tests.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -50,7 +49,7 @@ flags.DEFINE_integer("profile_repeats", 7, "repeats for balance.by_time (median 
 flags.DEFINE_integer("warmup", 1, "Untimed train_on_batch calls after the first (tracing) one.")
 flags.DEFINE_integer("steps", 5, "Timed rounds: one train_on_batch per configuration each (median kept).")
 flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
-flags.DEFINE_string("md", os.path.join(harness.REPO_ROOT, "benchmarks", "BALANCE.md"), "Report to write.")
+flags.DEFINE_string("md", os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), "Report.")
 
 # (name, time units, parameter units)
 MODEL = [("embedding", 1, 12)] + [(f"block_{i}", 1, 1) for i in range(10)] + [("head", 5, 3)]
@@ -209,10 +208,8 @@ def main(argv):
         num_micro_batches=M0,
     )
     print("\n" + table + "\n\n" + rep)
-    os.makedirs(FLAGS.out, exist_ok=True)
-    with open(os.path.join(FLAGS.out, "balance.json"), "w") as fh:
-        json.dump(dict(env=harness.env_lines(), load_start=load_start, load_end=load_end, unit_ms=unit,
-                       model=MODEL, costs=costs, results=results), fh, indent=1)  # fmt: skip
+    saved = dict(env=harness.env_lines(), load_start=load_start, load_end=load_end, unit_ms=unit, model=MODEL)
+    harness.save_json(os.path.join(FLAGS.out, "balance.json"), dict(saved, costs=costs, results=results))
     png = os.path.join(FLAGS.out, "balance.png")
     plot(results, png)
     wall_s = time.perf_counter() - wall_start
@@ -241,11 +238,7 @@ def markdown_table(results) -> str:
 
 
 def plot(results, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     Ms = sorted({r["M"] for r in results})
     fig, axes = plt.subplots(1, len(Ms), figsize=(6.5 * len(Ms), 4.6), squeeze=False)
     for ax, M in zip(axes[0], Ms):
@@ -263,8 +256,7 @@ def plot(results, path) -> None:
     axes[0][0].legend(fontsize=8, loc="lower left", framealpha=0.95)
     fig.suptitle("tf_gpipe.balance on SerialWork devices: embedding + 10 blocks + heavy head")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 def observations(results, K) -> str:
@@ -299,7 +291,7 @@ def write_md(table, profile_table, rep, load_start, load_end, profile_s, observe
 ## Command
 
 ```
-python3 benchmarks/balance_benchmark.py {flags_used}
+python3 benchmarks/balance/balance_benchmark.py {flags_used}
 ```
 
 ## Environment

@@ -25,9 +25,10 @@ boundary per step (input and boundary activation forward, its gradient backward)
 
 Run (about 6-10 minutes on 2 busy cores with the defaults):
 
-    python3 benchmarks/cluster_benchmark.py
+    python3 benchmarks/cluster/cluster_benchmark.py
 
-Writes benchmarks/out/cluster_benchmark.png and .json and prints a Markdown table.
+Writes --out/cluster_benchmark.png and .json and prints a Markdown table; results and
+the command behind them: benchmarks/cluster/README.md.
 Never run by the tests.
 """
 
@@ -36,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -111,45 +111,17 @@ def child() -> None:
             loss = model.train_on_batch(x, y)
             times.append(time.perf_counter() - t)
         placed = sorted({v.value.device for v in model.trainable_variables})
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "mode": FLAGS.mode,
-                    "width": width,
-                    "step_s": times,
-                    "trace_s": trace_s,
-                    "loss": float(loss),
-                    "devices": placed,
-                }
-            ),
-            flush=True,
-        )
+        result = dict(mode=FLAGS.mode, width=width, step_s=times, trace_s=trace_s, loss=float(loss))
+        harness.emit(dict(result, devices=placed))
 
 
 def run_child(mode: str, tf_config: str | None) -> list:
-    env = dict(os.environ)
-    env.pop("TF_CONFIG", None)
-    if tf_config:
-        env["TF_CONFIG"] = tf_config
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [harness.REPO_ROOT, env.get("PYTHONPATH")]))
-    argv = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--child",
-        f"--mode={mode}",
-        f"--widths={','.join(FLAGS.widths)}",
-        f"--batch={FLAGS.batch}",
-        f"--micro_batches={FLAGS.micro_batches}",
-        f"--steps={FLAGS.steps}",
-        f"--warmup={FLAGS.warmup}",
-        f"--max_step_seconds={FLAGS.max_step_seconds}",
-    ]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+    args = ["--child", f"--mode={mode}"]
+    args += harness.flag_args(("widths", "batch", "micro_batches", "steps", "warmup", "max_step_seconds"))
+    proc, results = harness.run_child(__file__, args, harness.child_env(tf_config=tf_config), timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"child {mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return [json.loads(line[len("RESULT ") :]) for line in lines]
+    return results
 
 
 def crossing_mb(mode: str, width: int) -> float:
@@ -166,11 +138,7 @@ def crossing_mb(mode: str, width: int) -> float:
 
 
 def plot(rows: list, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     widths = sorted({r["width"] for r in rows})
     for mode, label in MODES.items():
@@ -199,7 +167,7 @@ def plot(rows: list, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_figure(fig, path, dpi=110)
 
 
 def summarize(results: dict) -> list:
@@ -300,8 +268,7 @@ def main(argv) -> None:
                 for res in run_child(mode, configs[mode]):
                     results.setdefault((mode, res["width"]), []).append(res)
                 print(f"round {r + 1}/{FLAGS.rounds} {MODES[mode]}: {time.time() - t:.0f} s", file=sys.stderr)
-    script = ["benchmarks/cluster_benchmark.py"] + sys.argv[1:]
-    command = "cd /work/main && PYTHONPATH=. python3 " + " ".join(script)
+    command = "python3 " + " ".join([os.path.relpath(__file__, harness.REPO_ROOT), *sys.argv[1:]])
     report = {
         "command": command,
         "env": harness.env_lines() + [harness.tf_gpipe_line()],
@@ -311,8 +278,7 @@ def main(argv) -> None:
         "rows": summarize(results),
     }
     table = render(report)
-    with open(os.path.join(FLAGS.out, "cluster_benchmark.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    harness.save_json(os.path.join(FLAGS.out, "cluster_benchmark.json"), report)
     print(table)
     print(f"\ncommand: {command}\nloadavg start: {load_start}; end: {report['loadavg_end']}")
     print("\n".join(report["env"]))
