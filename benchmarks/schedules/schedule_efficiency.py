@@ -42,7 +42,7 @@ flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string(
     "image",
     os.path.join(harness.REPO_ROOT, "docs", "images", "schedule_efficiency.png"),
-    "Also save the plot here (for benchmarks/SCHEDULES.md); empty: only --out.",
+    "Also save the plot here (for benchmarks/schedules/README.md); empty: only --out.",
 )
 flags.DEFINE_string(
     "from_json",

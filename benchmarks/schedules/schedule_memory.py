@@ -49,7 +49,7 @@ flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string(
     "image",
     os.path.join(harness.REPO_ROOT, "docs", "images", "schedule_memory.png"),
-    "Also save the plot here (for benchmarks/SCHEDULES.md); empty: only --out.",
+    "Also save the plot here (for benchmarks/schedules/README.md); empty: only --out.",
 )
 # child mode
 flags.DEFINE_bool("child", False, "Internal: run one configuration and print a RESULT line.")
