@@ -1,35 +1,12 @@
 """Step time with pipeline stages in separate TensorFlow worker processes vs in one process.
 
-A 2-stage pipeline (K=2, M=4, remat="never", plain SGD) of Dense layers of width W
-on batches of 256 examples; stage 0 is Dense(W, relu) on W input features, stage 1
-is Dense(W, relu) + Dense(10). The boundary activation is 256 x W float32 per step
-(4 micro-batches of 64 x W) forward, and as much gradient backward. Three placements,
-each run in a fresh client process (this script with ``--child``):
-
-* ``one process``: ``tf_gpipe.configure_virtual_cpus(2)``, stages on CPU:0 and CPU:1
-  of the client itself (the usual single-host setup; nothing is serialized).
-* ``1 worker``: both stages on 2 logical CPUs of one ``tf.distribute.Server``
-  process (``LocalCluster(1, devices_per_worker=2)``); the client only dispatches
-  the step and holds data and loss. Isolates the cost of running remotely.
-* ``2 workers``: stage k on worker k (``LocalCluster(2)``), so activations and
-  their gradients cross between processes over TensorFlow's gRPC runtime.
-
-All processes are on 127.0.0.1 and share the same cores: the table shows the
-overhead of the cluster runtime (RPC dispatch, tensor serialization, copies), not
-a speed-up, which needs separate machines. The workers start once; each round runs
-one client per placement (order rotated every round), each client times every
-width: ``--warmup`` steps, then ``--steps`` ``train_on_batch`` steps timed one by
-one. We report the median step over all rounds, the ratio to ``one process`` and
-the extra milliseconds per step, next to the megabytes crossing a process
-boundary per step (input and boundary activation forward, its gradient backward).
-
-Run (about 6-10 minutes on 2 busy cores with the defaults):
-
-    python3 benchmarks/cluster/cluster_benchmark.py
-
-Writes --out/cluster_benchmark.png and .json and prints a Markdown table; results and
-the command behind them: benchmarks/cluster/README.md.
-Never run by the tests.
+A 2-stage pipeline (K=2, M=4, remat="never", SGD) of Dense layers of width W, batch 256, in
+three placements, each in a fresh client process (this script with ``--child``): ``one
+process`` (``configure_virtual_cpus(2)``), ``1 worker`` (both stages on one
+``tf.distribute.Server``: the cost of running remotely) and ``2 workers`` (stage k on worker k:
+activations and gradients cross processes over gRPC). The workers start once; each round runs
+one client per placement, the order rotated. Method, command and results:
+benchmarks/cluster/README.md. Writes --out/cluster_benchmark.{png,json}. Never run by the tests.
 """
 
 from __future__ import annotations
