@@ -20,23 +20,21 @@ On a CPU-only machine the K stages sit on K logical CPUs (one thread pool: place
 speed-up). With ``--gpu`` the script expects a GPU and splits it into K logical GPUs of
 ``--gpu_memory_mb`` each for the K>1 rows. Run from the repository root:
 
-    python benchmarks/compiled_stages.py --mode=xla,first,accum
+    python benchmarks/compiled_stages/compiled_stages.py --mode=xla,first,accum
 
 Prints Markdown tables; ``--out`` also saves them as JSON. Never run by the tests.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -197,7 +195,7 @@ def measure_xla():
         )
     print(f"\n### XLA: jit_compile={jit!r} for both (Sequential jit=False for context)\n")
     print(
-        _common.md_table(
+        harness.md_table(
             ["model", "median step (ms)", "ratio to Sequential (paired median)"],
             _ratio_rows(times, "keras.Sequential"),
         )
@@ -218,24 +216,20 @@ def _first_child(spec):
     first = time.perf_counter() - start
     start = time.perf_counter()
     model.train_on_batch(x, y)
-    print("CHILD " + json.dumps({"first_s": first, "second_s": time.perf_counter() - start}))
+    harness.emit({"first_s": first, "second_s": time.perf_counter() - start}, tag="CHILD ")
 
 
 def measure_first():
     specs = ["seq:0"] + [f"pipe:{m}" for m in FLAGS.micro_batches]
     results = {s: [] for s in specs}
-    flags_out = [
-        f"--{n}={FLAGS[n].value}" for n in ("blocks", "width", "seq", "batch", "vocab", "jit", "stages")
-    ]
+    flags_out = harness.flag_args(("blocks", "width", "seq", "batch", "vocab", "jit", "stages"))
     for _ in range(FLAGS.repeats):
         for spec in specs:
-            args = [sys.executable, os.path.abspath(__file__), f"--child={spec}", *flags_out]
-            args += ["--gpu"] if FLAGS.gpu else []
-            out = subprocess.run(args, capture_output=True, text=True, check=False)
-            line = [ln for ln in out.stdout.splitlines() if ln.startswith("CHILD ")]
-            if not line:
+            args = [f"--child={spec}", *flags_out] + (["--gpu"] if FLAGS.gpu else [])
+            out, lines = harness.run_child(__file__, args, dict(os.environ), tag="CHILD ")
+            if not lines:
                 raise SystemExit(f"{spec} failed:\n{out.stderr[-3000:]}")
-            results[spec].append(json.loads(line[0][6:]))
+            results[spec].append(lines[0])
     seq_first = statistics.median(r["first_s"] for r in results["seq:0"])
     m1 = statistics.median(r["first_s"] for r in results[specs[1]])
     rows = []
@@ -254,7 +248,7 @@ def measure_first():
         )
     print(f"\n### First train_on_batch (trace + compile + run), jit_compile={FLAGS.jit}\n")
     print(
-        _common.md_table(
+        harness.md_table(
             [
                 "model",
                 "first step (s)",
@@ -293,7 +287,7 @@ def measure_accum():
         "pipeline vs plain micro-batching\n"
     )
     print(
-        _common.md_table(
+        harness.md_table(
             ["model", "median step (ms)", "ratio (paired median)"],
             _ratio_rows(times, f"Keras, {FLAGS.accum_m} micro-batches summed"),
         )
@@ -305,9 +299,7 @@ def main(argv):
     del argv
     if FLAGS.child:
         return _first_child(FLAGS.child)
-    print("\n".join(_common.env_lines()))
-    print(_common.tf_gpipe_line())
-    print(f"load before: {_common.loadavg()}")
+    harness.header("Compiled stages", __name__, skip=("child",))
     results = {}
     if "first" in FLAGS.mode:  # fresh processes: run before this one initializes TensorFlow
         results["first"] = measure_first()
@@ -318,10 +310,9 @@ def main(argv):
             _setup_devices(1)
         if "xla" in FLAGS.mode:
             results["xla"] = measure_xla()
-    print(f"\nload after: {_common.loadavg()}")
+    print(f"\nload after: {harness.loadavg()}")
     if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(results, f, indent=1)
+        harness.save_json(FLAGS.out, results)
 
 
 if __name__ == "__main__":

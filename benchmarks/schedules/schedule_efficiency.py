@@ -1,41 +1,11 @@
 """Measured step time of each pipeline schedule against its simulated makespan.
 
-Every stage is one ``SerialWork`` layer (benchmarks/_serial_device.py): the
-identity times a scalar weight whose forward holds its device's lock and
-sleeps ``f`` ms and whose gradient holds it and sleeps ``b`` ms. A stage then
-costs exactly ``f`` per forward action and ``b`` per backward action (per
-*action*, not per example), devices can overlap and nothing else costs much,
-so the measured step time of ``PipelineModel.train_on_batch`` can be compared
-with ``tf_gpipe.schedules.get(...).simulate(f, b).makespan``, the time the
-schedule would take on ideal devices with free communication.
-
-Grid: K in --stages, M in --micro_batches, schedules gpipe, 1f1b and
-interleaved (v=--virtual_stages, only where M % K == 0; every virtual stage is
-one SerialWork of cost f/v, b/v so the work per micro-batch is the same), and
-remat in --remats. batch = M (one example per micro-batch). With
-remat="always" tf_gpipe replays each stage's forward inside its backward, so a
-backward action costs f + b: the theoretical time is then
-``simulate(forward_cost=f, backward_cost=f + b)``.
-
-Each K runs in a fresh subprocess (``configure_virtual_cpus(K)`` and the
-thread-pool sizes must precede TensorFlow's initialization) with
-inter_op_parallelism_threads=64 so that K sleeping devices never starve the
-pool, intra_op=2; every configuration is a new model after
-``keras.backend.clear_session()``; the first ``train_on_batch`` traces, then
---warmup more, then the median of --steps timed calls.
-
-Efficiency = theoretical / measured (1.0 = the schedule runs as fast as its
-simulation). The remainder is tf_gpipe's and TensorFlow's per-action overhead
-on the critical path; the table divides it by ``n_crit``, the number of actions
-on the simulated critical path (d makespan / d per-action cost).
-
-Run (about 9-10 minutes on 2 busy cores with the defaults):
-
-    cd /work/main && PYTHONPATH=. python3 benchmarks/schedule_efficiency.py
-
-Writes benchmarks/out/schedule_efficiency.{json,png} and a copy of the plot to
-docs/images/schedule_efficiency.png (--image). ``--from_json=PATH`` reprints the
-tables and redraws the plot from a saved JSON. Never run by the tests.
+Every stage is one ``SerialWork`` layer (benchmarks/serial_device.py), so an action costs a
+known time and the measured ``train_on_batch`` time can be compared with
+``tf_gpipe.schedules.get(...).simulate(f, b).makespan``. One child process per K
+(thread pools and logical CPUs must be set before TensorFlow starts). Efficiency =
+theoretical / measured. Method, commands and results: benchmarks/schedules/README.md,
+section 1. Writes --out/schedule_efficiency.{json,png} and --image. Never run by the tests.
 """
 
 from __future__ import annotations
@@ -43,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -69,11 +38,11 @@ flags.DEFINE_bool(
     "Also time one config (K=4, M=8, gpipe) with SerialWork(mode='py_function'), whose stateful "
     "host op tf.function serializes across devices.",
 )
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string(
     "image",
-    os.path.join(_common.REPO_ROOT, "docs", "images", "schedule_efficiency.png"),
-    "Also save the plot here (for benchmarks/SCHEDULES.md); empty: only --out.",
+    os.path.join(harness.REPO_ROOT, "docs", "images", "schedule_efficiency.png"),
+    "Also save the plot here (for benchmarks/schedules/README.md); empty: only --out.",
 )
 flags.DEFINE_string(
     "from_json",
@@ -97,7 +66,7 @@ def _theory(schedule, f: float, b: float, remat: str):
 
 
 def child() -> None:
-    import _serial_device as sd
+    import serial_device as sd
 
     sd.configure_threads(inter_op=64, intra_op=2)  # before TensorFlow initializes
     import tf_gpipe
@@ -164,9 +133,9 @@ def child() -> None:
             trace_s=trace_s,
             f=f,
             b=b,
-            loadavg=_common.loadavg(),
+            loadavg=harness.loadavg(),
         )
-        print("RESULT " + json.dumps(result), flush=True)
+        harness.emit(result)
 
 
 def _rows(results, remat):
@@ -218,7 +187,7 @@ def report(results, f: float, b: float, remats) -> None:
             continue
         bwd = f"f+b = {f + b:g}" if remat == "always" else f"b = {b:g}"
         print(f"\n## remat={remat} (forward f = {f:g} ms, backward {bwd} ms per stage)\n")
-        print(_common.md_table(HEADERS, rows))
+        print(harness.md_table(HEADERS, rows))
     ok = [r for r in results if r["mode"] == "stateless"]
     if ok and f + b > 0:
         worst = min(ok, key=lambda r: r["efficiency"])
@@ -260,57 +229,28 @@ def parent() -> None:
             b,
         )
         return
-    load_start = _common.loadavg()
     f, b = FLAGS.forward_ms, FLAGS.backward_ms
-    print("# tf_gpipe schedule efficiency benchmark (SerialWork devices)\n")
-    for line in _common.env_lines():
-        print(f"- {line}")
-    print("- children: inter_op_parallelism_threads=64, intra_op_parallelism_threads=2")
-    print(f"- {_common.tf_gpipe_line()}")
-    print(f"- loadavg at start: {load_start}")
-    ours = [
-        f_.name
-        for f_ in FLAGS.get_key_flags_for_module(sys.modules[__name__])
-        if f_.name not in ("child", "k", "from_json")
-    ]
-    print("- flags: " + " ".join(f"--{k}={FLAGS[k].value}" for k in ours))
+    load_start = harness.header(
+        "tf_gpipe schedule efficiency benchmark (SerialWork devices)",
+        __name__,
+        skip=("child", "k", "from_json"),
+        extra=["children: inter_op_parallelism_threads=64, intra_op_parallelism_threads=2"],
+    )
     print(
         f"- per-action costs: forward f={f:g} ms, backward b={b:g} ms per stage (f/v, b/v per "
         f"virtual stage); remat=always backward = f+b\n",
         flush=True,
     )
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _common.REPO_ROOT) if p)
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env = harness.child_env()
     results, loads = [], [load_start]
     t_all = time.perf_counter()
-
-    def flag_arg(name):
-        value = FLAGS[name].value
-        return f"--{name}={','.join(value) if isinstance(value, list) else value}"
-
-    passthrough = [
-        flag_arg(name)
-        for name in (
-            "micro_batches",
-            "schedules",
-            "remats",
-            "virtual_stages",
-            "forward_ms",
-            "backward_ms",
-            "warmup",
-            "steps",
-            "py_function_demo",
-        )
-    ]
+    passthrough = harness.flag_args(
+        ("micro_batches", "schedules", "remats", "virtual_stages", "forward_ms", "backward_ms")
+        + ("warmup", "steps", "py_function_demo")
+    )
     for K in map(int, FLAGS.stages):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", f"--k={K}"] + passthrough
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for line in proc.stdout:
-            if not line.startswith("RESULT "):
-                continue
-            r = json.loads(line[len("RESULT ") :])
+        for r in harness.stream_child(__file__, ["--child", f"--k={K}", *passthrough], env):
             results.append(r)
             loads.append(r["loadavg"])
             print(
@@ -319,40 +259,22 @@ def parent() -> None:
                 f"eff={r['efficiency']:.3f} (trace {r['trace_s']:.1f} s; load {r['loadavg'].split()[0]})",
                 flush=True,
             )
-        err = proc.stderr.read()
-        if proc.wait() != 0:
-            print(f"K={K}: child failed (rc={proc.returncode})\n{err[-3000:]}")
 
     report(results, f, b, FLAGS.remats)
     ok = [r for r in results if r["mode"] == "stateless"]
-    load_end = _common.loadavg()
+    load_end = harness.loadavg()
     print(f"- loadavg at end: {load_end}; total wall {time.perf_counter() - t_all:.0f} s")
 
-    os.makedirs(FLAGS.out, exist_ok=True)
-    with open(os.path.join(FLAGS.out, "schedule_efficiency.json"), "w") as fh:
-        json.dump(
-            dict(
-                env=_common.env_lines(),
-                tf_gpipe=_common.tf_gpipe_line(),
-                load_start=load_start,
-                load_end=load_end,
-                loads=loads,
-                forward_ms=f,
-                backward_ms=b,
-                results=results,
-            ),
-            fh,
-            indent=1,
-        )
+    harness.save_json(
+        os.path.join(FLAGS.out, "schedule_efficiency.json"),
+        dict(env=harness.env_lines(), tf_gpipe=harness.tf_gpipe_line(), load_start=load_start,
+             load_end=load_end, loads=loads, forward_ms=f, backward_ms=b, results=results),
+    )  # fmt: skip
     _plot(ok, os.path.join(FLAGS.out, "schedule_efficiency.png"), f, b)
 
 
 def _plot(results, path, f, b) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     Ks = sorted({r["K"] for r in results})
     if not Ks:
         return
@@ -405,13 +327,7 @@ def _plot(results, path, f, b) -> None:
         "measured vs simulated"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    if FLAGS.image:
-        os.makedirs(os.path.dirname(FLAGS.image), exist_ok=True)
-        fig.savefig(FLAGS.image, dpi=100)
-        print(f"- wrote {FLAGS.image}")
-    plt.close(fig)
-    print(f"- wrote {path}")
+    harness.save_figure(fig, path, FLAGS.image)
 
 
 def main(argv):

@@ -3,7 +3,7 @@
 The model is 12 layers on K=4 modelled devices: an "embedding" (1 time unit,
 12 parameter units), ten "blocks" (1 time unit, 1 parameter unit each) and a
 "head" (5 time units, 3 parameter units). Every layer is a ``CostLayer``: a
-``SerialWork`` (benchmarks/_serial_device.py) whose forward holds its stage's
+``SerialWork`` (benchmarks/serial_device.py) whose forward holds its stage's
 device lock and sleeps ``units * unit_ms`` and whose backward sleeps twice
 that, plus ``1000 * param_units`` weights that cost no time. So time and
 parameters disagree exactly where real models do (an embedding table is big
@@ -21,15 +21,14 @@ their stage's device. remat="never" by default: a backward costs b = 2f.
 
 Run (about 6 minutes on 2 busy cores):
 
-    cd /work/main && PYTHONPATH=. python3 benchmarks/balance_benchmark.py
+    python3 benchmarks/balance/balance_benchmark.py
 
 Prints a Markdown table; writes benchmarks/out/balance.{json,png} and
-benchmarks/BALANCE.md. Never run by the tests.
+benchmarks/balance/README.md (--md). Never run by the tests.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -37,8 +36,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # also puts the repo root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -49,15 +48,15 @@ flags.DEFINE_enum("remat", "never", ["never", "always"], "PipelineModel remat mo
 flags.DEFINE_integer("profile_repeats", 7, "repeats for balance.by_time (median kept).")
 flags.DEFINE_integer("warmup", 1, "Untimed train_on_batch calls after the first (tracing) one.")
 flags.DEFINE_integer("steps", 5, "Timed rounds: one train_on_batch per configuration each (median kept).")
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
-flags.DEFINE_string("md", os.path.join(_common.REPO_ROOT, "benchmarks", "BALANCE.md"), "Report to write.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("md", os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), "Report.")
 
 # (name, time units, parameter units)
 MODEL = [("embedding", 1, 12)] + [(f"block_{i}", 1, 1) for i in range(10)] + [("head", 5, 3)]
 WIDTH = 16  # features of the (identity) activations
 
 
-def make_layer_class(sd, keras, tf, tf_gpipe):
+def make_layer_class(sd, keras, tf):
     @keras.saving.register_keras_serializable(package="tf_gpipe_benchmarks")
     class CostLayer(sd.SerialWork):
         """SerialWork of ``time_units`` (f = units * unit_ms, b = 2f) with ``1000 * param_units`` weights."""
@@ -72,31 +71,15 @@ def make_layer_class(sd, keras, tf, tf_gpipe):
             self.table = self.add_weight(shape=(1000 * self.param_units,), initializer="zeros", name="table")
 
         def call(self, x):
-            # SerialWork.call, except that the scale is read outside tf.custom_gradient: SerialWork
-            # passes the variable itself, which custom_gradient rejects when called eagerly
-            # (balance runs the layers once eagerly to build them).
-            d, fwd, bwd, mode = self.device_index, self.forward_ms, self.backward_ms, self.mode
-            kind = "R" if tf_gpipe.is_recomputing() else "F"
-
-            @tf.custom_gradient
-            def run(x, w):
-                y = sd._host(x, d, fwd, kind, mode) * w
-
-                def grad(dy):
-                    dy = sd._host(dy, d, bwd, "B", mode, after=y)
-                    return dy * w, tf.reduce_sum(dy * x)
-
-                return y, grad
-
             # The weights join the output (times 0) so they get a gradient like any weight.
-            return run(x, tf.identity(self.scale.value)) + 0.0 * tf.reduce_sum(self.table)
+            return super().call(x) + 0.0 * tf.reduce_sum(self.table)
 
     return CostLayer
 
 
 def main(argv):
     del argv
-    import _serial_device as sd
+    import serial_device as sd
 
     sd.configure_threads(inter_op=64, intra_op=2)  # before TensorFlow initializes
     import tf_gpipe
@@ -110,10 +93,10 @@ def main(argv):
     from tf_gpipe import balance, schedules
     from tf_gpipe.partition import even_balance
 
-    CostLayer = make_layer_class(sd, keras, tf, tf_gpipe)
+    CostLayer = make_layer_class(sd, keras, tf)
     unit = FLAGS.unit_ms
     units = [t for _, t, _ in MODEL]
-    load_start, wall_start = _common.loadavg(), time.perf_counter()
+    load_start, wall_start = harness.loadavg(), time.perf_counter()
 
     def layers_for(bal, lock_of=None):
         stage_of = [s for s, n in enumerate(bal) for _ in range(n)]
@@ -183,7 +166,7 @@ def main(argv):
             t0 = time.perf_counter()
             model.train_on_batch(x, y)  # returns numpy logs: synchronizes
             r["times_ms"].append((time.perf_counter() - t0) * 1e3)
-            r["loads"].append(_common.loadavg())
+            r["loads"].append(harness.loadavg())
     for r in results:
         r["measured_ms"] = statistics.median(r["times_ms"])
         print(f"M={r['M']:2d} {r['method']:32s} balance={r['balance']} units={r['stage_units']} "
@@ -191,13 +174,13 @@ def main(argv):
               f"predicted={r['predicted_ms']:.0f} ms ideal={r['ideal_ms']:.0f} ms", flush=True)  # fmt: skip
 
     # ------------------------------------------------------------------ report
-    load_end = _common.loadavg()
+    load_end = harness.loadavg()
     table = markdown_table(results)
     profile_rows = [
         [name, t, f"{3 * t * unit:.1f}", f"{s * 1e3:.1f}", f"{p:,.0f}", f"{m / 1024:.1f}"]
         for (name, t, _), s, p, m in zip(MODEL, costs["time"], costs["params"], costs["memory"])
     ]
-    profile_table = _common.md_table(
+    profile_table = harness.md_table(
         ["layer", "time units", "true f+b ms", "by_time ms", "by_params", "by_memory KiB"], profile_rows
     )
     rep = balance.report(
@@ -209,10 +192,8 @@ def main(argv):
         num_micro_batches=M0,
     )
     print("\n" + table + "\n\n" + rep)
-    os.makedirs(FLAGS.out, exist_ok=True)
-    with open(os.path.join(FLAGS.out, "balance.json"), "w") as fh:
-        json.dump(dict(env=_common.env_lines(), load_start=load_start, load_end=load_end, unit_ms=unit,
-                       model=MODEL, costs=costs, results=results), fh, indent=1)  # fmt: skip
+    saved = dict(env=harness.env_lines(), load_start=load_start, load_end=load_end, unit_ms=unit, model=MODEL)
+    harness.save_json(os.path.join(FLAGS.out, "balance.json"), dict(saved, costs=costs, results=results))
     png = os.path.join(FLAGS.out, "balance.png")
     plot(results, png)
     wall_s = time.perf_counter() - wall_start
@@ -237,15 +218,11 @@ def markdown_table(results) -> str:
                      f"{even[M] / r['ideal_ms']:.2f}x", "-", f"{r['ideal_bubble']:.1%}"])  # fmt: skip
     headers = ["M", "partition", "balance", "stage time units", "predicted ms", "measured ms",
                "speed-up vs even", "predicted / measured", "bubble (predicted)"]  # fmt: skip
-    return _common.md_table(headers, rows)
+    return harness.md_table(headers, rows)
 
 
 def plot(results, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     Ms = sorted({r["M"] for r in results})
     fig, axes = plt.subplots(1, len(Ms), figsize=(6.5 * len(Ms), 4.6), squeeze=False)
     for ax, M in zip(axes[0], Ms):
@@ -263,8 +240,7 @@ def plot(results, path) -> None:
     axes[0][0].legend(fontsize=8, loc="lower left", framealpha=0.95)
     fig.suptitle("tf_gpipe.balance on SerialWork devices: embedding + 10 blocks + heavy head")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 def observations(results, K) -> str:
@@ -291,7 +267,7 @@ def write_md(table, profile_table, rep, load_start, load_end, profile_s, observe
         for name in ("stages", "micro_batches", "unit_ms", "remat", "profile_repeats", "warmup", "steps")
         for v in [FLAGS[name].value]
     )
-    env = "\n".join(f"- {line}" for line in _common.env_lines())
+    env = "\n".join(f"- {line}" for line in harness.env_lines())
     text = f"""# Balancing benchmark (`tf_gpipe.balance`)
 
 {__doc__.split("Run (")[0].strip()}
@@ -299,13 +275,13 @@ def write_md(table, profile_table, rep, load_start, load_end, profile_s, observe
 ## Command
 
 ```
-cd /work/main && PYTHONPATH=. python3 benchmarks/balance_benchmark.py {flags_used}
+python3 benchmarks/balance/balance_benchmark.py {flags_used}
 ```
 
 ## Environment
 
 {env}
-- {_common.tf_gpipe_line()}
+- {harness.tf_gpipe_line()}
 - inter_op=64 so that K sleeping devices never starve TensorFlow's thread pool; total wall {wall_s:.0f} s
 - `cat /proc/loadavg` at start: `{load_start}`; at end: `{load_end}` (other jobs share the 2 cores:
   sleeps are immune, tf_gpipe's per-action overhead is not)

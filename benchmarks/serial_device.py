@@ -1,35 +1,15 @@
 """A Keras layer that models one pipeline device as a serial resource of known cost.
 
-``SerialWork(device_index, forward_ms, backward_ms)`` is the identity times a
-trainable scalar (initialised to 1, so there is something for the optimizer to
-update). Its forward runs a host function that takes a per-device
-``threading.Lock`` and sleeps ``forward_ms``; its gradient (``tf.custom_gradient``)
-takes the same lock and sleeps ``backward_ms``. So a stage made of it costs a
-known time per action, whatever the batch, and two actions on the same modelled
-device can never overlap, while actions on different devices can. With
-``remat="always"`` tf_gpipe replays the forward inside the backward, so a
-backward then costs ``forward_ms + backward_ms``, exactly as a real
-re-materialized stage would.
-
-Sleeping releases the GIL and uses no CPU, so K sleeping "devices" run in
-parallel on a 2-core machine as long as TensorFlow has enough inter-op threads:
-call ``configure_threads()`` (or set ``inter_op_parallelism_threads`` to ~64
-yourself) before TensorFlow initializes.
-
-Host function flavour (``mode``):
-
-* ``"stateless"`` (default): ``tf.numpy_function(..., stateful=False)``. The
-  output (the input, passed through) feeds the rest of the layer, so the op is
-  never pruned, and being stateless it is not ordered by ``tf.function``'s
-  automatic control dependencies.
-* ``"py_function"``: ``tf.py_function``, as in the benchmark brief. Its op,
-  ``EagerPyFunc``, is stateful, and ``tf.function`` chains *every* stateful op
-  without resource inputs in program order (``auto_control_deps``:
-  ``last_write_to_resource[None]``). Inside Keras' ``train_function`` that
-  serializes all the sleeps of the step in the order tf_gpipe built them,
-  across devices: no pipelining at all. Kept to demonstrate that effect.
-
-Not part of the tf_gpipe package; used by the benchmarks and tests.
+``SerialWork(device_index, forward_ms, backward_ms)`` is the identity times a trainable
+scalar; its forward holds a per-device ``threading.Lock`` and sleeps ``forward_ms``, its
+gradient holds it and sleeps ``backward_ms``. So a stage costs a known time per action, two
+actions of one modelled device never overlap and actions of different devices can (sleeping
+holds no CPU and no GIL: call ``configure_threads()`` before TensorFlow initializes so K
+sleeping devices never starve the inter-op pool). ``mode="stateless"`` (default) uses
+``tf.numpy_function(stateful=False)``; ``mode="py_function"`` uses the stateful
+``tf.py_function``, which ``tf.function`` chains across devices (no pipelining: kept to
+show that). Why, in detail: benchmarks/schedules/README.md, "The modelled device".
+Not part of the tf_gpipe package.
 """
 
 from __future__ import annotations

@@ -1,53 +1,26 @@
 """Record real training steps with tf_gpipe.timeline and draw them: GPipe, 1F1B, interleaved.
 
-K=4 logical CPUs, M=8 micro-batches, for each schedule (gpipe, 1f1b,
-interleaved with v=2):
-
-* ``SerialWork`` stages (benchmarks/_serial_device.py): every stage action holds
-  its device and sleeps a known time (forward f=--forward_ms, backward
-  b=--backward_ms per stage; f/v and b/v per virtual stage), remat="never", so
-  the picture is the schedule itself with readable, regular boxes. Saved to
-  docs/images/timeline_<schedule>.png.
-* Real compute: 2K = 8 layers, Dense(--width, relu) (the last one a Dense(10)
-  head), 2 per stage (1 per cell when interleaved, so the work is the same),
-  micro-batch --micro_batch, remat="always" (recomputations show as "R" spans).
-  All 4 logical CPUs share this machine's cores, so compute does not really
-  overlap; the picture shows the order and the host-side timing. Saved to
-  docs/images/timeline_dense_<schedule>.png.
-
-Each is recorded with ``with tf_gpipe.timeline.record(model) as rec`` over
---steps ``train_on_batch`` calls (the first traces); of the later steps the
-one with the median makespan is drawn with ``timeline.save_gantt`` and written
-with ``timeline.save_chrome_trace`` to benchmarks/out/timeline_<name>.json (open in https://ui.perfetto.dev or
-chrome://tracing). The script prints each step's measured makespan next to the
-simulated one and the stashes per device counted by ``timeline.live_stashes``.
-
-Markers. tf_gpipe's Recorder gives each marker a per-device token variable as
-input, so ``tf.function``'s automatic control dependencies order the markers of
-one device only (a marker with no resource input would be chained with every
-other stateful op, serializing the whole step). --per_device_markers re-applies
-that as a patch; it was the workaround before the library had the fix and is
-now off by default and redundant.
-
-Run (about 1-2 minutes):
-
-    cd /work/main && PYTHONPATH=. python3 benchmarks/timeline_demo.py
-
-Never run by the tests.
+K=4 logical CPUs, M=8, each schedule twice: ``SerialWork`` stages (benchmarks/serial_device.py,
+remat="never": the schedule itself, in regular boxes) saved as docs/images/timeline_<schedule>.png,
+and real Dense compute (remat="always", recomputations shown as "R") saved as
+docs/images/timeline_dense_<schedule>.png. Of --steps recorded steps, the one with the median
+makespan is drawn (``timeline.save_gantt``) and written as a Chrome trace to
+--out/timeline_<name>.json. --per_device_markers re-applies, as a patch, the per-device marker
+tokens the library now has (the old workaround; redundant). Command and results:
+benchmarks/schedules/README.md, section 3. Never run by the tests.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # also puts the repo root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -74,8 +47,8 @@ flags.DEFINE_bool(
     True,
     "Also save the stock-marker GPipe recording (docs/images/timeline_gpipe_stock_markers.png).",
 )
-flags.DEFINE_string("images", os.path.join(_common.REPO_ROOT, "docs", "images"), "Directory for the PNGs.")
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the Chrome traces and JSON.")
+flags.DEFINE_string("images", os.path.join(harness.REPO_ROOT, "docs", "images"), "Directory for the PNGs.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the Chrome traces and JSON.")
 
 
 @contextlib.contextmanager
@@ -110,7 +83,7 @@ def per_device_markers():
 
 def main(argv):
     del argv
-    import _serial_device as sd
+    import serial_device as sd
 
     sd.configure_threads(inter_op=64, intra_op=2)  # before TensorFlow initializes
     import tf_gpipe
@@ -127,12 +100,10 @@ def main(argv):
     os.makedirs(FLAGS.images, exist_ok=True)
     os.makedirs(FLAGS.out, exist_ok=True)
     f, b = FLAGS.forward_ms, FLAGS.backward_ms
-    print("# tf_gpipe timeline demo\n")
-    for line in _common.env_lines():
-        print(f"- {line}")
-    print(f"- {_common.tf_gpipe_line()}")
-    print(f"- loadavg at start: {_common.loadavg()}")
-    print(f"- per-device markers workaround: {FLAGS.per_device_markers}\n", flush=True)
+    harness.header(
+        "tf_gpipe timeline demo", extra=[f"per-device markers workaround: {FLAGS.per_device_markers}"]
+    )
+    print(flush=True)
 
     def serial_model(name, v, mode="stateless"):
         layers = [keras.layers.InputLayer(shape=(4,))] + [
@@ -224,8 +195,8 @@ def main(argv):
             step_ms=[t * 1e3 for t in times],
             live_stashes=stashes,
             peak_in_flight=plan.peak_in_flight(),
-            png=os.path.relpath(png, _common.REPO_ROOT),
-            trace=os.path.relpath(trace, _common.REPO_ROOT),
+            png=os.path.relpath(png, harness.REPO_ROOT),
+            trace=os.path.relpath(trace, harness.REPO_ROOT),
             spans=len(spans),
         )
         summary.append(row)
@@ -252,18 +223,16 @@ def main(argv):
             png=os.path.join(FLAGS.images, "timeline_gpipe_stock_markers.png"),
             tag="gpipe_stock_markers",
         )
-    with open(os.path.join(FLAGS.out, "timeline_demo.json"), "w") as fh:
-        json.dump(
-            dict(
-                env=_common.env_lines(),
-                tf_gpipe=_common.tf_gpipe_line(),
-                loadavg=_common.loadavg(),
-                results=summary,
-            ),
-            fh,
-            indent=1,
-        )
-    print(f"\n- loadavg at end: {_common.loadavg()}")
+    harness.save_json(
+        os.path.join(FLAGS.out, "timeline_demo.json"),
+        dict(
+            env=harness.env_lines(),
+            tf_gpipe=harness.tf_gpipe_line(),
+            loadavg=harness.loadavg(),
+            results=summary,
+        ),
+    )
+    print(f"\n- loadavg at end: {harness.loadavg()}")
 
 
 if __name__ == "__main__":

@@ -1,74 +1,25 @@
 """Peak training memory of the GPipe and 1F1B schedules as the number of micro-batches grows.
 
-With re-materialization (remat="always") a stage keeps only its *input* per
-micro-batch between its forward and its backward (the "stash"). GPipe runs
-every forward before any backward, so each device stashes all M micro-batches;
-1F1B starts backwards after K - d warm-up forwards, so device d never holds
-more than K - d. With a FIXED micro-batch size (--micro_batch examples) and
-batch = M * micro_batch, GPipe's peak memory should grow linearly with M and
-1F1B's should flatten once M >= K.
-
-Model (K=4, 8 layers, 2 per stage, real Dense compute): every stage is
-``Dense(--bottleneck, relu) -> Dense(--width, relu)`` (the last stage ends in
-``Dense(10)`` instead), on a --input_dim-wide input. So the tensors that cross
-stages, and are stashed, are ``micro_batch x width`` floats (2 MiB with the
-defaults), while the compute per stage stays small (the narrow bottleneck) and
-the input data (input_dim wide) does not dominate. Device 0's stash is the
-input micro-batch itself (part of the batch, tiny); devices 1..K-1 stash
-``micro_batch x width`` each: the model predicts
-``sum_{d>=1} peak_stashes(d) * micro_batch * width * 4`` bytes of stashes,
-``(K-1) * M`` for GPipe and ``sum_{d>=1} min(K-d, M)`` for 1F1B.
-
-Each (schedule, M, variant) runs in a fresh subprocess (this script with
-``--child``) with ``MALLOC_MMAP_THRESHOLD_`` fixed (--mmap_threshold). Two
-measurements:
-
-* ``RSS peak - after build``: ``ru_maxrss`` after all steps minus VmRSS right
-  after the model is built and compiled (the brief's definition). Includes the
-  first step's tf.function trace, whose graph grows with K*M for both schedules.
-* ``TF alloc peak``: TensorFlow's CPU allocator high-water mark over the steps
-  after the first (``tf.config.experimental.get_memory_info("CPU:0")``, reset
-  first) minus its ``current`` bytes before them: exactly the tensors TF
-  allocated during a steady-state step, over all K logical CPUs (they share
-  one allocator). This is the number to compare with the stash model.
-
-Variants (--variants):
-
-* ``stock``: TensorFlow's default graph optimizations. Grappler's arithmetic
-  optimizer rewrites each variable's chain of per-micro-batch gradient sums
-  (``total = total + g_m``, built by tf_gpipe's executor) into one ``AddN`` of
-  all M gradients, so every micro-batch's *weight* gradient stays alive until
-  the last backward of the step: peak memory grows by about one copy of the
-  weights per micro-batch, for both schedules, and hides the stash effect.
-* ``no_arith_opt``: the same with
-  ``tf.config.optimizer.set_experimental_options({"arithmetic_optimization": False})``,
-  so the sums run as the backwards finish; what remains is the stashes.
-
-Then each stock child records one more step with ``tf_gpipe.timeline.record``
-and reports the stashes per device counted by ``timeline.live_stashes`` (and
-the schedule's ``peak_in_flight``, which they must equal).
-
-Run (about 8-10 minutes on 2 busy cores with the defaults):
-
-    cd /work/main && PYTHONPATH=. python3 benchmarks/schedule_memory.py
-
-Writes benchmarks/out/schedule_memory.{json,png} and a copy of the plot to
-docs/images/schedule_memory.png (--image). Never run by the tests. Not
-timing-based, but other processes on the machine do not change this process's RSS.
+With remat="always" a device stashes one stage input per micro-batch between its forward
+and backward: GPipe holds all M, 1F1B at most K - d on device d. At a fixed micro-batch
+size GPipe's peak should grow with M and 1F1B's flatten once M >= K. One fresh child process
+per (variant, M, schedule) reports TensorFlow's allocator peak during a steady step, the RSS
+peak above the built model and, recorded with ``tf_gpipe.timeline``, the stashes per device.
+Variants: ``stock``, and ``no_arith_opt`` (Grappler's arithmetic optimizer off). Method,
+command and results: benchmarks/schedules/README.md, section 2. Writes
+--out/schedule_memory.{json,png} and --image. Never run by the tests.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # also puts the repo root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -94,27 +45,18 @@ flags.DEFINE_list(
     "Grappler optimizers to switch off in the children, e.g. arithmetic_optimization "
     "(tf.config.optimizer.set_experimental_options({name: False})).",
 )
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string(
     "image",
-    os.path.join(_common.REPO_ROOT, "docs", "images", "schedule_memory.png"),
-    "Also save the plot here (for benchmarks/SCHEDULES.md); empty: only --out.",
+    os.path.join(harness.REPO_ROOT, "docs", "images", "schedule_memory.png"),
+    "Also save the plot here (for benchmarks/schedules/README.md); empty: only --out.",
 )
 # child mode
 flags.DEFINE_bool("child", False, "Internal: run one configuration and print a RESULT line.")
 flags.DEFINE_integer("m", 1, "Internal (child): M.")
 flags.DEFINE_string("schedule", "gpipe", "Internal (child): schedule.")
 
-MiB = 2.0**20
-
-
-def _vm(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+MiB = harness.MiB
 
 
 def make_layers(keras, K: int):
@@ -168,13 +110,13 @@ def child() -> None:
         y = tf.constant(rng.integers(0, 10, n), dtype=tf.int32)
     weights_mib = sum(int(np.prod(v.shape)) * 4 for v in model.weights) / MiB
     gc.collect()
-    rss_build = _vm("VmRSS")
+    rss_build = harness.vm("VmRSS")
 
     t0 = time.perf_counter()
     losses = [float(model.train_on_batch(x, y))]  # traces
     first_s = time.perf_counter() - t0
     gc.collect()
-    rss_before = _vm("VmRSS")
+    rss_before = harness.vm("VmRSS")
     tf_base = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tf.config.experimental.reset_memory_stats("CPU:0")
     step_times = []
@@ -211,26 +153,16 @@ def child() -> None:
         spans = rec.steps()[-1]
         live = tf_gpipe.timeline.live_stashes(spans)
         result["live_stashes"] = [live.get(d, 0) for d in range(K)]
-    print("RESULT " + json.dumps(result), flush=True)
+    harness.emit(result)
 
 
 VARIANTS = {"stock": [], "no_arith_opt": ["arithmetic_optimization"]}
 
 
 def parent() -> None:
-    load_start = _common.loadavg()
     K = FLAGS.stages
-    print("# tf_gpipe schedule memory benchmark: GPipe vs 1F1B stashes\n")
-    for line in _common.env_lines():
-        print(f"- {line}")
-    print(f"- {_common.tf_gpipe_line()}")
-    print(f"- loadavg at start: {load_start}")
-    ours = [
-        f.name
-        for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])
-        if f.name not in ("child", "m", "schedule", "grappler_off")
-    ]
-    print("- flags: " + " ".join(f"--{k}={FLAGS[k].value}" for k in ours))
+    skip = ("child", "m", "schedule", "grappler_off")
+    load_start = harness.header("tf_gpipe schedule memory benchmark: GPipe vs 1F1B stashes", __name__, skip)
     stash = FLAGS.micro_batch * FLAGS.width * 4 / MiB
     print(
         f"- model: K={K} stages of Dense({FLAGS.bottleneck}, relu) -> Dense({FLAGS.width}, relu) "
@@ -239,42 +171,30 @@ def parent() -> None:
         f"{FLAGS.micro_batch}; one stash (micro_batch x width float32) = {stash:.2f} MiB\n",
         flush=True,
     )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _common.REPO_ROOT) if p)
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    if FLAGS.mmap_threshold > 0:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(FLAGS.mmap_threshold)
+    env = harness.child_env(FLAGS.mmap_threshold)
     results, loads = [], [load_start]
     t_all = time.perf_counter()
     for variant in FLAGS.variants:
         off = VARIANTS[variant]
         for M in map(int, FLAGS.micro_batches):
             for name in FLAGS.schedules:
-                cmd = [
-                    sys.executable,
-                    os.path.abspath(__file__),
+                args = [
                     "--child",
                     f"--m={M}",
                     f"--schedule={name}",
-                    f"--stages={K}",
-                    f"--micro_batch={FLAGS.micro_batch}",
-                    f"--width={FLAGS.width}",
-                    f"--bottleneck={FLAGS.bottleneck}",
-                    f"--input_dim={FLAGS.input_dim}",
-                    f"--remat={FLAGS.remat}",
-                    f"--steps={FLAGS.steps}",
+                    *harness.flag_args(("stages", "micro_batch", "width", "bottleneck", "input_dim")),
+                    *harness.flag_args(("remat", "steps")),
                     f"--record={FLAGS.record and variant == 'stock'}",
                     f"--grappler_off={','.join(off)}",
                 ]
                 t0 = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
-                loads.append(_common.loadavg())
-                if proc.returncode != 0 or line is None:
+                proc, lines = harness.run_child(__file__, args, env)
+                loads.append(harness.loadavg())
+                if proc.returncode != 0 or not lines:
                     print(f"M={M} {name} {variant}: child failed (rc={proc.returncode})")
                     print(proc.stderr[-3000:])
                     continue
-                r = json.loads(line[len("RESULT ") :])
+                r = lines[0]
                 r["variant"] = variant
                 r["wall_s"] = time.perf_counter() - t0
                 results.append(r)
@@ -318,33 +238,19 @@ def parent() -> None:
             )
         if rows:
             print(f"\n## variant {variant} (Grappler options off: {VARIANTS[variant] or 'none'})\n")
-            print(_common.md_table(headers, rows))
-    load_end = _common.loadavg()
+            print(harness.md_table(headers, rows))
+    load_end = harness.loadavg()
     print(f"\n- loadavg at end: {load_end}; total wall {time.perf_counter() - t_all:.0f} s")
-    os.makedirs(FLAGS.out, exist_ok=True)
-    with open(os.path.join(FLAGS.out, "schedule_memory.json"), "w") as fh:
-        json.dump(
-            dict(
-                env=_common.env_lines(),
-                tf_gpipe=_common.tf_gpipe_line(),
-                load_start=load_start,
-                load_end=load_end,
-                loads=loads,
-                flags={k: FLAGS[k].value for k in ours},
-                results=results,
-            ),
-            fh,
-            indent=1,
-        )
+    harness.save_json(
+        os.path.join(FLAGS.out, "schedule_memory.json"),
+        dict(env=harness.env_lines(), tf_gpipe=harness.tf_gpipe_line(), load_start=load_start,
+             load_end=load_end, loads=loads, flags=harness.flag_values(__name__, skip), results=results),
+    )  # fmt: skip
     _plot(results, os.path.join(FLAGS.out, "schedule_memory.png"))
 
 
 def _plot(results, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     panels = (
         ("tf_peak_MiB", "TF CPU allocator peak during a step - before it"),
@@ -391,13 +297,7 @@ def _plot(results, path) -> None:
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    if FLAGS.image:
-        os.makedirs(os.path.dirname(FLAGS.image), exist_ok=True)
-        fig.savefig(FLAGS.image, dpi=100)
-        print(f"- wrote {FLAGS.image}")
-    plt.close(fig)
-    print(f"- wrote {path} and {os.path.splitext(path)[0]}.json")
+    harness.save_figure(fig, path, FLAGS.image)
 
 
 def main(argv):

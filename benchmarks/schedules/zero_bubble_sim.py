@@ -18,7 +18,7 @@ activations a device holds at once, a stash living until its W under zb-h1.
 
 Run (well under a second):
 
-    python3 benchmarks/zero_bubble_sim.py
+    python3 benchmarks/schedules/zero_bubble_sim.py
 
 The schedules module is loaded from its file, so TensorFlow is never imported.
 """
@@ -40,7 +40,7 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1")
 
 
 def _load_schedules():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "tf_gpipe", "schedules.py")
     spec = importlib.util.spec_from_file_location("tf_gpipe_schedules", path)
     module = importlib.util.module_from_spec(spec)

@@ -1,50 +1,9 @@
 """Measured peak training memory of tf_gpipe.PipelineModel: remat x K x M.
 
-Each configuration (K stages, M micro-batches, remat mode) runs in a fresh
-subprocess (this script with ``--child``). The child calls
-``tf_gpipe.configure_virtual_cpus(K)`` first, builds a deep MLP
-(``--depth`` x Dense(``--width``, relu) + Dense(10) head, so L = depth), compiles
-it with plain SGD (no optimizer slots) and sparse categorical cross-entropy, and
-creates one in-memory batch of ``--batch`` examples. Then, right before the first
-training step, it takes a baseline, and runs ``--steps`` ``train_on_batch`` steps
-(default 2: the second step sometimes peaks a few percent above the first, and its
-time has no tracing in it; ``--repeats=R`` runs every configuration in R fresh
-processes and reports the median).
-
-Two measurements per configuration, both minus the baseline:
-
-* ``tf_peak_MiB``: TensorFlow's CPU allocator high-water mark,
-  ``tf.config.experimental.get_memory_info("CPU:0")["peak"]`` (reset with
-  ``reset_memory_stats`` at the baseline) minus the allocator's ``current`` bytes
-  at the baseline. In TF 2.21 this works on CPU; all logical CPUs share one
-  allocator, so it is the total over all K stages. It counts every tensor TF
-  allocates (activations, gradients, temporaries), not Python objects, the traced
-  graph, or memory oneDNN allocates by itself.
-* ``rss_peak_MiB``: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the steps
-  minus VmRSS at the baseline. Includes everything the process touches during
-  the first step, the tf.function trace of the (bigger for large K*M) training
-  graph included. The child sets ``MALLOC_MMAP_THRESHOLD_`` (``--mmap_threshold``)
-  so glibc returns freed large blocks to the OS and RSS follows live memory.
-
-The parent prints a Markdown table with both, normalised to the (K=1, M=1,
-remat=never) row, next to GPipe's activation-memory model: O(N*L) without
-re-materialization, O(N + (L/K)*(N/M)) per device with it (N = batch, L = layers).
-Because all K "devices" here are one process, it also shows the model for the
-whole process: O(K*N + min(K, M)*(L/K)*(N/M)) (every stage keeps its input for all
-M micro-batches; up to min(K, M) stages re-materialize at once), and that model in
-MiB plus one copy of the weight gradients. It plots peak memory against M for
-each (K, remat). ``--replot=out.json`` redraws table and plot from a saved run.
-
-Knobs for diagnosis: ``--arithmetic_optimization=false`` turns off Grappler's
-arithmetic optimizer in the children (it merges the per-micro-batch gradient sums
-into one AddN, see benchmarks/README.md); ``--schedule`` passes ``schedule=`` to
-PipelineModel where the installed tf_gpipe has it.
-
-Run (about 6-9 minutes on 2 cores with the defaults, more on a busy machine):
-
-    cd /work/main && PYTHONPATH=. python3 benchmarks/remat_memory.py
-
-Writes benchmarks/out/remat_memory.png and .json. Never run by the tests.
+One fresh child process (this script with ``--child``) per configuration; each reports
+TensorFlow's CPU allocator peak and the RSS peak above a baseline taken right before
+the first step. The parent prints them next to GPipe's memory model and plots them.
+Method, command and results: benchmarks/remat_memory/README.md. Never run by the tests.
 """
 
 from __future__ import annotations
@@ -52,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -91,7 +49,7 @@ flags.DEFINE_bool(
     "Grappler's arithmetic optimizer in the children (False: "
     "tf.config.optimizer.set_experimental_options({'arithmetic_optimization': False})).",
 )
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string("replot", "", "Re-print the table and re-draw the plot from this JSON (no runs).")
 # child mode
 flags.DEFINE_bool("child", False, "Internal: run one configuration and print a RESULT line.")
@@ -99,16 +57,7 @@ flags.DEFINE_integer("k", 1, "Internal (child): K; 0 means plain keras.Sequentia
 flags.DEFINE_integer("m", 1, "Internal (child): M.")
 flags.DEFINE_string("remat", "never", "Internal (child): remat mode.")
 
-MiB = 2.0**20
-
-
-def _vm(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+MiB = harness.MiB
 
 
 def child() -> None:
@@ -154,7 +103,7 @@ def child() -> None:
     gc.collect()
     tf_base = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tf.config.experimental.reset_memory_stats("CPU:0")
-    rss_base = _vm("VmRSS")
+    rss_base = harness.vm("VmRSS")
 
     step_times, tf_peaks, losses = [], [], []
     for _ in range(FLAGS.steps):
@@ -178,7 +127,7 @@ def child() -> None:
         losses=losses,
         devices=list(getattr(model, "devices", ["(plain)"])),
     )
-    print("RESULT " + json.dumps(result), flush=True)
+    harness.emit(result)
 
 
 def paper_model(K: int, M: int, remat: str, L: int):
@@ -243,7 +192,7 @@ def report(results, meta, out_dir, load_end, wall_s=None) -> None:
         )
     print()
     print(
-        _common.md_table(
+        harness.md_table(
             [
                 "K",
                 "M",
@@ -272,16 +221,10 @@ def report(results, meta, out_dir, load_end, wall_s=None) -> None:
     )
     print(f"\n- loadavg at end: {load_end}" + (f"; total wall {wall_s:.0f} s" if wall_s else ""))
 
-    os.makedirs(out_dir, exist_ok=True)
-    json_path = os.path.join(out_dir, "remat_memory.json")
-    with open(json_path, "w") as f:
-        json.dump(dict(meta, load_end=load_end, results=results), f, indent=1)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    harness.save_json(
+        os.path.join(out_dir, "remat_memory.json"), dict(meta, load_end=load_end, results=results)
+    )
+    plt = harness.pyplot()
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
     ks = sorted({r["K"] for r in ok if r["K"] > 0})
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
@@ -328,9 +271,7 @@ def report(results, meta, out_dir, load_end, wall_s=None) -> None:
     fig.suptitle(f"{L} x Dense({W}) + Dense(10), batch {N}: peak training memory vs M")
     fig.tight_layout(rect=(0, 0, 0.84, 1))
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.845, 0.5), fontsize=8)
-    path = os.path.join(out_dir, "remat_memory.png")
-    fig.savefig(path, dpi=110)
-    print(f"- wrote {path} and {json_path}")
+    harness.save_figure(fig, os.path.join(out_dir, "remat_memory.png"), dpi=110)
 
 
 def replot(path: str) -> None:
@@ -346,18 +287,9 @@ def replot(path: str) -> None:
 
 
 def parent() -> None:
-    load_start = _common.loadavg()
-    print("# tf_gpipe re-materialization memory benchmark\n")
-    for line in _common.env_lines():
-        print(f"- {line}")
-    print(f"- {_common.tf_gpipe_line()}")
-    print(f"- loadavg at start: {load_start}")
-    ours = [
-        f.name
-        for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])
-        if f.name not in ("child", "k", "m", "remat", "replot")
-    ]
-    print("- flags: " + " ".join(f"--{k}={FLAGS[k].value}" for k in ours))
+    load_start = harness.header(
+        "tf_gpipe re-materialization memory benchmark", __name__, skip=("child", "k", "m", "remat", "replot")
+    )
     L, N, W = FLAGS.depth, FLAGS.batch, FLAGS.width
     print(
         f"- model: {L} x Dense({W}, relu) + Dense(10); batch N={N}; one activation "
@@ -374,39 +306,27 @@ def parent() -> None:
             for M in map(int, FLAGS.micro_batches):
                 configs.append((K, M, remat))
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _common.REPO_ROOT) if p)
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    if FLAGS.mmap_threshold > 0:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(FLAGS.mmap_threshold)
+    env = harness.child_env(FLAGS.mmap_threshold)
     results = []
     t_all = time.perf_counter()
     for K, M, remat in configs:
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
+        args = [
             "--child",
             f"--k={K}",
             f"--m={M}",
             f"--remat={remat if K > 0 else 'never'}",
-            f"--depth={L}",
-            f"--width={W}",
-            f"--batch={N}",
-            f"--steps={FLAGS.steps}",
-            f"--schedule={FLAGS.schedule}",
-            f"--arithmetic_optimization={FLAGS.arithmetic_optimization}",
+            *harness.flag_args(("depth", "width", "batch", "steps", "schedule", "arithmetic_optimization")),
         ]
         runs = []
         for _ in range(FLAGS.repeats):
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
+            proc, lines = harness.run_child(__file__, args, env)
+            if proc.returncode != 0 or not lines:
                 print(f"K={K} M={M} remat={remat}: child failed (rc={proc.returncode})")
                 print(proc.stderr[-3000:])
                 runs = [{"K": K, "M": M, "remat": remat, "error": proc.stderr[-3000:]}]
                 break
-            run = json.loads(line[len("RESULT ") :])
+            run = lines[0]
             run["wall_s"] = time.perf_counter() - t0
             runs.append(run)
             label = "plain Keras" if K == 0 else f"K={K} M={M} remat={remat}"
@@ -425,8 +345,8 @@ def parent() -> None:
         results.append(r)
 
     meta = dict(
-        env=_common.env_lines(),
-        tf_gpipe=_common.tf_gpipe_line(),
+        env=harness.env_lines(),
+        tf_gpipe=harness.tf_gpipe_line(),
         load_start=load_start,
         depth=L,
         width=W,
@@ -436,7 +356,7 @@ def parent() -> None:
         arithmetic_optimization=FLAGS.arithmetic_optimization,
         schedule=FLAGS.schedule,
     )
-    report(results, meta, FLAGS.out, _common.loadavg(), time.perf_counter() - t_all)
+    report(results, meta, FLAGS.out, harness.loadavg(), time.perf_counter() - t_all)
 
 
 def main(argv):

@@ -1,34 +1,12 @@
 """Step time with pipeline stages in separate TensorFlow worker processes vs in one process.
 
-A 2-stage pipeline (K=2, M=4, remat="never", plain SGD) of Dense layers of width W
-on batches of 256 examples; stage 0 is Dense(W, relu) on W input features, stage 1
-is Dense(W, relu) + Dense(10). The boundary activation is 256 x W float32 per step
-(4 micro-batches of 64 x W) forward, and as much gradient backward. Three placements,
-each run in a fresh client process (this script with ``--child``):
-
-* ``one process``: ``tf_gpipe.configure_virtual_cpus(2)``, stages on CPU:0 and CPU:1
-  of the client itself (the usual single-host setup; nothing is serialized).
-* ``1 worker``: both stages on 2 logical CPUs of one ``tf.distribute.Server``
-  process (``LocalCluster(1, devices_per_worker=2)``); the client only dispatches
-  the step and holds data and loss. Isolates the cost of running remotely.
-* ``2 workers``: stage k on worker k (``LocalCluster(2)``), so activations and
-  their gradients cross between processes over TensorFlow's gRPC runtime.
-
-All processes are on 127.0.0.1 and share the same cores: the table shows the
-overhead of the cluster runtime (RPC dispatch, tensor serialization, copies), not
-a speed-up, which needs separate machines. The workers start once; each round runs
-one client per placement (order rotated every round), each client times every
-width: ``--warmup`` steps, then ``--steps`` ``train_on_batch`` steps timed one by
-one. We report the median step over all rounds, the ratio to ``one process`` and
-the extra milliseconds per step, next to the megabytes crossing a process
-boundary per step (input and boundary activation forward, its gradient backward).
-
-Run (about 6-10 minutes on 2 busy cores with the defaults):
-
-    cd /work/main && PYTHONPATH=. python3 benchmarks/cluster_benchmark.py
-
-Writes benchmarks/out/cluster_benchmark.png and .json and prints a Markdown table.
-Never run by the tests.
+A 2-stage pipeline (K=2, M=4, remat="never", SGD) of Dense layers of width W, batch 256, in
+three placements, each in a fresh client process (this script with ``--child``): ``one
+process`` (``configure_virtual_cpus(2)``), ``1 worker`` (both stages on one
+``tf.distribute.Server``: the cost of running remotely) and ``2 workers`` (stage k on worker k:
+activations and gradients cross processes over gRPC). The workers start once; each round runs
+one client per placement, the order rotated. Method, command and results:
+benchmarks/cluster/README.md. Writes --out/cluster_benchmark.{png,json}. Never run by the tests.
 """
 
 from __future__ import annotations
@@ -36,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # also puts the repo root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -54,7 +31,7 @@ flags.DEFINE_integer("rounds", 3, "Rounds; each runs one client per placement.")
 flags.DEFINE_integer("steps", 10, "Timed steps per width per client.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps per width per client (the first traces).")
 flags.DEFINE_integer("max_step_seconds", 30, "Fewer steps for a width whose warm-up step is slower.")
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 flags.DEFINE_string("from_json", "", "Only redraw the table and plot from the JSON of an earlier run.")
 flags.DEFINE_bool("child", False, "Internal: time every width in this process, print RESULT lines.")
 flags.DEFINE_enum("mode", "local", ["local", "worker1", "workers2"], "Internal (child): placement.")
@@ -111,45 +88,17 @@ def child() -> None:
             loss = model.train_on_batch(x, y)
             times.append(time.perf_counter() - t)
         placed = sorted({v.value.device for v in model.trainable_variables})
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "mode": FLAGS.mode,
-                    "width": width,
-                    "step_s": times,
-                    "trace_s": trace_s,
-                    "loss": float(loss),
-                    "devices": placed,
-                }
-            ),
-            flush=True,
-        )
+        result = dict(mode=FLAGS.mode, width=width, step_s=times, trace_s=trace_s, loss=float(loss))
+        harness.emit(dict(result, devices=placed))
 
 
 def run_child(mode: str, tf_config: str | None) -> list:
-    env = dict(os.environ)
-    env.pop("TF_CONFIG", None)
-    if tf_config:
-        env["TF_CONFIG"] = tf_config
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_common.REPO_ROOT, env.get("PYTHONPATH")]))
-    argv = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--child",
-        f"--mode={mode}",
-        f"--widths={','.join(FLAGS.widths)}",
-        f"--batch={FLAGS.batch}",
-        f"--micro_batches={FLAGS.micro_batches}",
-        f"--steps={FLAGS.steps}",
-        f"--warmup={FLAGS.warmup}",
-        f"--max_step_seconds={FLAGS.max_step_seconds}",
-    ]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+    args = ["--child", f"--mode={mode}"]
+    args += harness.flag_args(("widths", "batch", "micro_batches", "steps", "warmup", "max_step_seconds"))
+    proc, results = harness.run_child(__file__, args, harness.child_env(tf_config=tf_config), timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"child {mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    return [json.loads(line[len("RESULT ") :]) for line in lines]
+    return results
 
 
 def crossing_mb(mode: str, width: int) -> float:
@@ -166,11 +115,7 @@ def crossing_mb(mode: str, width: int) -> float:
 
 
 def plot(rows: list, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     widths = sorted({r["width"] for r in rows})
     for mode, label in MODES.items():
@@ -199,7 +144,7 @@ def plot(rows: list, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_figure(fig, path, dpi=110)
 
 
 def summarize(results: dict) -> list:
@@ -242,7 +187,7 @@ def render(report: dict) -> str:
     add_ratios(rows)
     batch = report.get("batch", FLAGS.batch)
     plot(rows, os.path.join(FLAGS.out, "cluster_benchmark.png"))
-    return _common.md_table(
+    return harness.md_table(
         [
             "W",
             "boundary MB/step",
@@ -289,7 +234,7 @@ def main(argv) -> None:
         return
     from tf_gpipe.cluster import LocalCluster
 
-    load_start = _common.loadavg()
+    load_start = harness.loadavg()
     results: dict = {}
     with LocalCluster(1, devices_per_worker=2) as one, LocalCluster(2) as two:
         configs = {"local": None, "worker1": one.tf_config, "workers2": two.tf_config}
@@ -300,19 +245,17 @@ def main(argv) -> None:
                 for res in run_child(mode, configs[mode]):
                     results.setdefault((mode, res["width"]), []).append(res)
                 print(f"round {r + 1}/{FLAGS.rounds} {MODES[mode]}: {time.time() - t:.0f} s", file=sys.stderr)
-    script = ["benchmarks/cluster_benchmark.py"] + sys.argv[1:]
-    command = "cd /work/main && PYTHONPATH=. python3 " + " ".join(script)
+    command = "python3 " + " ".join([os.path.relpath(__file__, harness.REPO_ROOT), *sys.argv[1:]])
     report = {
         "command": command,
-        "env": _common.env_lines() + [_common.tf_gpipe_line()],
+        "env": harness.env_lines() + [harness.tf_gpipe_line()],
         "batch": FLAGS.batch,
         "loadavg_start": load_start,
-        "loadavg_end": _common.loadavg(),
+        "loadavg_end": harness.loadavg(),
         "rows": summarize(results),
     }
     table = render(report)
-    with open(os.path.join(FLAGS.out, "cluster_benchmark.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    harness.save_json(os.path.join(FLAGS.out, "cluster_benchmark.json"), report)
     print(table)
     print(f"\ncommand: {command}\nloadavg start: {load_start}; end: {report['loadavg_end']}")
     print("\n".join(report["env"]))

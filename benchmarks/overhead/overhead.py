@@ -1,42 +1,16 @@
 """Step-time overhead of tf_gpipe.PipelineModel with one stage versus plain Keras.
 
-Compares, on identical layers and identical initial weights, compiled with the
-same optimizer and loss:
-
-* ``pipe K=1 M=1``      tf_gpipe.PipelineModel(layers, num_stages=1,
-                          num_micro_batches=1, remat="never")
-* ``plain jit=False``   keras.Sequential(layers), compile(jit_compile=False)
-                          (PipelineModel always compiles with jit_compile=False)
-* ``plain jit=default`` keras.Sequential(layers), compile() with Keras' default
-                          jit_compile="auto" (resolves to False on a CPU-only
-                          machine, so it doubles as an A/A noise check there)
-* ``plain jit=True``    keras.Sequential(layers), compile(jit_compile=True) (XLA)
-* ``plain mb M=4``      a keras.Model whose custom train_step cuts the batch into
-                          M pieces, sums their gradients and applies them once
-                          (what a user would write for micro-batching by hand)
-* ``pipe K=1 M=4``      tf_gpipe.PipelineModel(..., num_stages=1, num_micro_batches=4,
-                          remat="never")
-
-Timing: ``model.train_on_batch`` on one fixed in-memory batch (tf tensors),
-after warm-up. Variants are interleaved in one process: each round runs
-``--steps`` steps of every variant in turn (the order rotates every round so
-each variant takes every position equally often), for ``--rounds`` rounds. We
-report the median per-step wall time over rounds, its inter-quartile range, the
-ratio of medians, the median of per-round (paired) ratios, and the ratio of
-median process CPU times (``time.process_time``, all threads), which is less
-affected by other processes competing for the cores.
-
-Run (about 4-8 minutes on 2 cores with the defaults, depending on load):
-
-    cd /work/main && PYTHONPATH=. python3 benchmarks/overhead.py
-
-Outputs a Markdown table on stdout, benchmarks/out/overhead.png and
-benchmarks/out/overhead.json. Never run by the tests.
+On identical layers and initial weights, same optimizer and loss, interleaved in one process
+(``--rounds`` rounds of ``--steps`` ``train_on_batch`` steps per variant, the order rotating):
+``PipelineModel(K=1, M=1, remat="never")`` against ``keras.Sequential`` with
+``jit_compile`` False, Keras' default and True, and ``PipelineModel(K=1, M=4)`` against a
+hand-written micro-batching ``train_step``. Reports median wall time, IQR, paired ratios and
+process-CPU-time ratios. Variants, method and results: benchmarks/overhead/README.md.
+Writes --out/overhead.{json,png}. Never run by the tests.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -44,8 +18,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # also puts the repo root on sys.path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -63,7 +37,7 @@ flags.DEFINE_bool("xla", True, "Also time plain keras.Sequential with jit_compil
 flags.DEFINE_bool("remat_rows", False, "Also time PipelineModel(K=1) with remat='always' (M=1 and M=M).")
 flags.DEFINE_string("optimizer", "adam", "Optimizer for every variant: adam or sgd.")
 flags.DEFINE_integer("seed", 0, "Seed for weights and data.")
-flags.DEFINE_string("out", _common.OUT_DIR, "Directory for the PNG and JSON.")
+flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the PNG and JSON.")
 
 
 def parse_config(name: str):
@@ -74,7 +48,7 @@ def parse_config(name: str):
 
 def main(argv):
     del argv
-    load_start = _common.loadavg()
+    load_start = harness.loadavg()
     import keras
     import numpy as np
     import tensorflow as tf
@@ -139,17 +113,12 @@ def main(argv):
         )
         return model
 
-    print("# tf_gpipe overhead benchmark\n")
-    for line in _common.env_lines():
-        print(f"- {line}")
-    print(f"- {_common.tf_gpipe_line()}")
-    print(f"- loadavg at start: {load_start}")
-    ours = [f.name for f in FLAGS.get_key_flags_for_module(sys.modules[__name__])]
-    print("- flags: " + " ".join(f"--{k}={FLAGS[k].value}" for k in ours) + "\n", flush=True)
+    harness.header("tf_gpipe overhead benchmark", __name__)
+    print(flush=True)
 
     results = {
-        "env": _common.env_lines(),
-        "tf_gpipe": _common.tf_gpipe_line(),
+        "env": harness.env_lines(),
+        "tf_gpipe": harness.tf_gpipe_line(),
         "load_start": load_start,
         "configs": {},
     }
@@ -262,7 +231,7 @@ def main(argv):
             ]
         print()
         print(
-            _common.md_table(
+            harness.md_table(
                 ["variant", "median ms/step", "IQR ms", "min ms", "median CPU ms/step", "jit_compile"],
                 [
                     [
@@ -296,7 +265,7 @@ def main(argv):
                 ]
             )
         print(
-            _common.md_table(
+            harness.md_table(
                 ["ratio", "ratio of medians", "median paired ratio", "CPU-time ratio"], comp_rows
             )
         )
@@ -313,11 +282,11 @@ def main(argv):
         }
         del variants
 
-    load_end = _common.loadavg()
+    load_end = harness.loadavg()
     results["load_end"] = load_end
     print("## Summary (target: pipe K=1 M=1 / plain jit=False <= 1.05)\n")
     print(
-        _common.md_table(
+        harness.md_table(
             [
                 "config",
                 "A / B",
@@ -332,15 +301,8 @@ def main(argv):
     )
     print(f"\n- loadavg at end: {load_end}; total wall {time.perf_counter() - t_start:.0f} s")
 
-    os.makedirs(FLAGS.out, exist_ok=True)
-    with open(os.path.join(FLAGS.out, "overhead.json"), "w") as f:
-        json.dump(results, f, indent=1)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    harness.save_json(os.path.join(FLAGS.out, "overhead.json"), results)
+    plt = harness.pyplot()
     cfgs = list(results["configs"])
     fig, axes = plt.subplots(1, len(cfgs), figsize=(6.5 * len(cfgs), 4.8), squeeze=False)
     for ax, c in zip(axes[0], cfgs):
@@ -355,11 +317,9 @@ def main(argv):
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("ms / training step (median, IQR)")
         ax.set_title(c)
-    fig.suptitle(f"tf_gpipe PipelineModel(K=1) vs plain Keras, {_common.cpu_model()}, {os.cpu_count()} cores")
+    fig.suptitle(f"tf_gpipe PipelineModel(K=1) vs plain Keras, {harness.cpu_model()}, {os.cpu_count()} cores")
     fig.tight_layout()
-    path = os.path.join(FLAGS.out, "overhead.png")
-    fig.savefig(path, dpi=110)
-    print(f"- wrote {path} and {os.path.join(FLAGS.out, 'overhead.json')}")
+    harness.save_figure(fig, os.path.join(FLAGS.out, "overhead.png"), dpi=110)
 
 
 if __name__ == "__main__":
