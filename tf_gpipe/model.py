@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_gpipe import microbatch, saving, schedules, structure, trainer
+from tf_gpipe import keras_compat, microbatch, saving, schedules, structure, trainer
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.partition import balance_by_cost, check_tied_layers, split_by_balance, unpack_layers
@@ -240,8 +240,8 @@ class PipelineModel(keras.Model):
         """
         from tf_gpipe import graph
 
-        if isinstance(model, keras.Sequential) and getattr(model, "_functional", None) is not None:
-            model = model._functional
+        if isinstance(model, keras.Sequential) and keras_compat.sequential_functional(model) is not None:
+            model = keras_compat.sequential_functional(model)
         nodes = graph.graph_nodes(model)
         cells = num_stages * virtual_stages
         node_balance: List[int]
@@ -254,7 +254,7 @@ class PipelineModel(keras.Model):
         else:
             node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
         stages = graph.split_graph(model, node_balance, name=f"{model.name}_stage")
-        spec = tree.pack_sequence_as(model._inputs_struct, model.inputs)
+        spec = tree.pack_sequence_as(keras_compat.inputs_structure(model), model.inputs)
         instance = cls(
             stages,
             num_stages=num_stages,

@@ -116,8 +116,9 @@ def unpack_layers(layers: Any):
     """A flat list of layers, plus the input spec if the user gave one (keras.Input / Sequential)."""
     spec = None
     if isinstance(layers, keras.Sequential):
-        if layers.built and getattr(layers, "_functional", None) is not None:
-            spec = layers._functional.inputs
+        functional = keras_compat.sequential_functional(layers) if layers.built else None
+        if functional is not None:
+            spec = functional.inputs
             spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
         layers = layers.layers
     elif isinstance(layers, keras.layers.Layer):
