@@ -219,9 +219,10 @@ class Schedule:
         return self._validated_order()
 
     def _costs(self, cost: Cost, what: str) -> list[float]:
+        # The costs stay as given (ints stay ints): errors then quote the user's numbers.
         if isinstance(cost, numbers.Real):
-            return [float(cost)] * self.num_stages
-        costs = [float(c) for c in cost]  # type: ignore[union-attr]
+            return [cost] * self.num_stages  # type: ignore[list-item]
+        costs = list(cost)  # type: ignore[arg-type]
         if len(costs) != self.num_stages:
             raise ValueError(
                 f"{what} has {len(costs)} entries, expected one per stage (num_stages={self.num_stages})"
