@@ -12,7 +12,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
-from tf_gpipe import checkpoint, stage
+from tf_gpipe import checkpoint, keras_compat, stage
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -183,7 +183,7 @@ def test_stage_outputs_carry_their_keras_mask():
     x = tf.constant([[3, 5, 0], [7, 0, 0]])
     pm(x)
     record = checkpoint.forward(pm.cells[0], x, None, True, remat=True)
-    mask = keras.src.backend.get_keras_mask(record.outputs)
+    mask = keras_compat.get_keras_mask(record.outputs)
     assert mask is not None and np.array_equal(mask.numpy(), x.numpy() != 0)
     assert np.array_equal(record.out_mask.numpy(), x.numpy() != 0)
 
