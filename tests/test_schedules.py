@@ -7,11 +7,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from schedule_orders import copy as _copy
+from schedule_orders import parse as _parse
 
 from tf_gpipe import schedules
 from tf_gpipe.schedules import (
     Action,
-    Schedule,
     bubble_fraction,
     clock_cycles,
     get,
@@ -31,25 +32,6 @@ def _grid():
             if M % K == 0:
                 for v in range(1, 4):
                     yield "interleaved", K, M, v
-
-
-def _parse(text):
-    """``"F0@s1 B0@s1"`` -> the actions, written as :func:`repr` shows them."""
-    actions = []
-    for word in text.split():
-        kind_mb, stage = word.split("@s")
-        actions.append(Action(kind_mb[0], int(stage), int(kind_mb[1:])))
-    return actions
-
-
-def _copy(schedule, orders):
-    return Schedule(
-        schedule.name,
-        schedule.num_devices,
-        schedule.num_micro_batches,
-        schedule.virtual_stages,
-        orders,
-    )
 
 
 def test_package_imports_without_tensorflow():

@@ -3,32 +3,14 @@
 from collections import Counter
 
 import pytest
+from schedule_orders import copy as _copy
+from schedule_orders import parse as _parse
 
 from tf_gpipe import timeline
-from tf_gpipe.schedules import Action, Schedule, get, gpipe, one_f_one_b, zb_h1
+from tf_gpipe.schedules import Action, get, gpipe, one_f_one_b, zb_h1
 
 # The grid of the issue: K in {2, 4, 8}, M in {K, 2K, 4K}.
 GRID = [(K, M) for K in (2, 4, 8) for M in (K, 2 * K, 4 * K)]
-
-
-def _parse(text):
-    """``"F0@s1 W0@s1"`` -> the actions, written as :func:`repr` shows them."""
-    actions = []
-    for word in text.split():
-        kind_mb, stage = word.split("@s")
-        actions.append(Action(kind_mb[0], int(stage), int(kind_mb[1:])))
-    return actions
-
-
-def _copy(schedule, orders):
-    return Schedule(
-        schedule.name,
-        schedule.num_devices,
-        schedule.num_micro_batches,
-        schedule.virtual_stages,
-        orders,
-        schedule.split_backward,
-    )
 
 
 def _idle(schedule, f, b, w):
