@@ -175,6 +175,7 @@ def run_schedule(
                 for mm, g in enumerate(batch_loss(outputs, out_masks)):
                     grads_in[(S - 1, mm)] = g
             rec = records.pop((s, m))
+            variables = cell.trainable_variables
             loss_grads = []
             if rec.losses:
                 if cell_loss_grads is None:
@@ -194,7 +195,7 @@ def run_schedule(
                     dy,
                     _after(start, loss_grads),
                     True,
-                    cell.trainable_variables,
+                    variables,
                     need_input_grads=s > 0,
                     tracer=None if tracer is None else (tracer, d, tag),
                     to_sums=to_sums,
@@ -203,8 +204,8 @@ def run_schedule(
                     summed[s], grads = result
                 else:
                     grads = result
-                for v, g in zip(cell.trainable_variables, grads):
-                    if g is not None:  # rows are concatenated, not summed into a dense tensor
+                for v, g in zip(variables, grads):
+                    if g is not None:  # M = 1, or rows: concatenated, not summed into a dense tensor
                         rows[id(v)] = accumulate(rows.get(id(v)), g)
             if s > 0:
                 grads_in[(s - 1, m)] = in_grads

@@ -184,9 +184,7 @@ class StageFunctions:
 
     def _zero_body(self):
         self.traces["sum"] += 1
-        ops = [s.assign(tf.zeros_like(s)) for s in self.sums(self.cell.trainable_variables)]
-        with tf.control_dependencies(ops):
-            return tf.constant(True)
+        return _ready([s.assign(tf.zeros_like(s)) for s in self.sums(self.cell.trainable_variables)])
 
     def _add_body(self, grads, nonempty):
         self.traces["sum"] += 1
@@ -210,8 +208,7 @@ class StageFunctions:
             sparse.append(None)
             if g is not None:
                 ops.append(total.assign_add(g))
-        with tf.control_dependencies(ops):
-            return tf.constant(True), sparse
+        return _ready(ops), sparse
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -384,3 +381,9 @@ class StageFunctions:
             if not to_sums:
                 return in_grads, var_grads
             return in_grads, self._add_grads(var_grads)
+
+
+def _ready(ops: List[Any]) -> tf.Tensor:
+    """A token that is ready once every op of ``ops`` has run."""
+    with tf.control_dependencies(ops):
+        return tf.constant(True)
