@@ -1,5 +1,5 @@
-"""What every benchmark script shares: the environment header, one child process per
-configuration, flags passed on to children, Markdown tables, JSON and plots.
+"""What every benchmark script shares: the run's header, one child process per configuration,
+Markdown tables, the JSON of a run and plots.
 
 Each script lives in ``benchmarks/<name>/`` and starts with::
 
@@ -17,12 +17,16 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO_ROOT, "benchmarks", "out")  # scratch output, git-ignored
 MiB = 2.0**20
 RESULT = "RESULT "
+# Flags that select what a process does rather than what it measures: never passed to children.
+_NOT_PASSED = ("child", "from_json", "replot", "out", "image")
+_START: Dict[str, Any] = {}
 
 if REPO_ROOT not in sys.path:
     sys.path.append(REPO_ROOT)
@@ -31,52 +35,45 @@ if REPO_ROOT not in sys.path:
 # ---------------------------------------------------------------------------- environment
 
 
-def loadavg() -> str:
+def _read(path: str, default: str = "n/a") -> str:
     try:
-        with open("/proc/loadavg") as f:
+        with open(path) as f:
             return f.read().strip()
     except OSError:
-        return "n/a"
+        return default
+
+
+def loadavg() -> str:
+    return _read("/proc/loadavg")
+
+
+def _run(*cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
 
 
 def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    lines = [s for s in _run("lscpu").splitlines() if s.startswith("Model name:")]
+    return lines[0].split(":", 1)[1].strip() if lines else platform.processor() or "unknown"
 
 
 def env_lines() -> List[str]:
     import keras
+    import numpy
     import tensorflow as tf
 
-    try:
-        with open("/proc/meminfo") as f:
-            mem_kib = int(f.readline().split()[1])
-        mem = f"{mem_kib / 2**20:.1f} GiB"
-    except (OSError, ValueError, IndexError):
-        mem = "n/a"
+    mem = _read("/proc/meminfo", "MemTotal: 0 kB").split()[1]
+    threads = tf.config.threading
     return [
         f"CPU: {cpu_model()} ({os.cpu_count()} logical cores visible, {len(os.sched_getaffinity(0))} usable)",
-        f"RAM: {mem}; GPUs visible to TF: {len(tf.config.list_physical_devices('GPU'))}",
+        f"RAM: {int(mem) / 2**20:.1f} GiB; GPUs visible to TF: {len(tf.config.list_physical_devices('GPU'))}",
         f"Python {platform.python_version()}, TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-        f"NumPy {__import__('numpy').__version__}",
-        f"TF threads: intra_op={tf.config.threading.get_intra_op_parallelism_threads()} "
-        f"inter_op={tf.config.threading.get_inter_op_parallelism_threads()} (0 = TF default)",
+        f"NumPy {numpy.__version__}",
+        f"TF threads: intra_op={threads.get_intra_op_parallelism_threads()} "
+        f"inter_op={threads.get_inter_op_parallelism_threads()} (0 = TF default)",
     ]
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", "-C", REPO_ROOT, *args], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        return ""
 
 
 def tf_gpipe_line() -> str:
@@ -84,69 +81,74 @@ def tf_gpipe_line() -> str:
     import tf_gpipe
 
     path = os.path.dirname(os.path.abspath(tf_gpipe.__file__))
+    head = _run("git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD")
     line = f"tf_gpipe {getattr(tf_gpipe, '__version__', '?')} from {path}"
     if path == os.path.join(REPO_ROOT, "tf_gpipe"):
-        dirty = _git("status", "--porcelain", "--", "tf_gpipe")
-        line += f", checkout HEAD {_git('rev-parse', '--short', 'HEAD')}"
-        line += " with uncommitted tf_gpipe changes" if dirty else " (tf_gpipe clean)"
+        dirty = _run("git", "-C", REPO_ROOT, "status", "--porcelain", "--", "tf_gpipe")
+        line += f", checkout HEAD {head}" + (" with uncommitted tf_gpipe changes" if dirty else " (clean)")
     else:
-        line += f" (not this checkout's tf_gpipe; checkout HEAD is {_git('rev-parse', '--short', 'HEAD')})"
-    snap = os.path.join(path, os.pardir, "SNAPSHOT")
-    if os.path.exists(snap):
-        with open(snap) as f:
-            line += f"; snapshot of {f.read().strip()}"
-    return line
+        line += f" (not this checkout's tf_gpipe; checkout HEAD is {head})"
+    snapshot = _read(os.path.join(path, os.pardir, "SNAPSHOT"), "")
+    return line + (f"; snapshot of {snapshot}" if snapshot else "")
 
 
 def vm(field: str) -> int:
     """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
+    for line in _read("/proc/self/status").splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
     raise KeyError(field)
 
 
 # ---------------------------------------------------------------------------- flags
 
 
-def flag_values(module_name: str, skip: Sequence[str] = ()) -> Dict[str, Any]:
-    """The flags a script defined (not absl's own), by name, less ``skip`` (its child-only flags)."""
+def flag_values(module_name: str = "__main__", skip: Sequence[str] = ()) -> Dict[str, Any]:
+    """The flags a script defined (not absl's own), by name, less ``skip``."""
     from absl import flags
 
-    FLAGS = flags.FLAGS
-    return {
-        f.name: FLAGS[f.name].value
-        for f in FLAGS.get_key_flags_for_module(sys.modules[module_name])
-        if f.name not in skip
-    }
+    module = sys.modules[module_name]
+    return {f.name: f.value for f in flags.FLAGS.get_key_flags_for_module(module) if f.name not in skip}
+
+
+def _arg(name: str, value: Any) -> str:
+    return f"--{name}={','.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def flag_args(names: Sequence[str]) -> List[str]:
     """``--name=value`` for each flag, lists comma-joined: the parent's settings for a child."""
     from absl import flags
 
-    out = []
-    for name in names:
-        value = flags.FLAGS[name].value
-        out.append(f"--{name}={','.join(value) if isinstance(value, list) else value}")
-    return out
+    return [_arg(name, flags.FLAGS[name].value) for name in names]
 
 
-def header(title: str, module_name: Optional[str] = None, skip: Sequence[str] = (), extra=()) -> str:
+def header(title: str, module_name: str = "__main__", skip: Sequence[str] = _NOT_PASSED, extra=()) -> str:
     """Print the Markdown header every run starts with; return the load average at the start."""
-    load_start = loadavg()
+    _START.update(load=loadavg(), time=time.perf_counter())
     print(f"# {title}\n")
-    for line in env_lines():
+    for line in [*env_lines(), *extra, tf_gpipe_line(), f"loadavg at start: {_START['load']}"]:
         print(f"- {line}")
-    for line in extra:
-        print(f"- {line}")
-    print(f"- {tf_gpipe_line()}")
-    print(f"- loadavg at start: {load_start}")
-    if module_name:
-        ours = flag_values(module_name, skip)
-        print("- flags: " + " ".join(f"--{k}={v}" for k, v in ours.items()))
-    return load_start
+    print("- flags: " + " ".join(_arg(k, v) for k, v in flag_values(module_name, skip).items()), flush=True)
+    return _START["load"]
+
+
+def finish(name: str, **data: Any) -> str:
+    """Print the load at the end and the wall time; save the run (``data`` and where it ran) as
+    ``--out/<name>.json``."""
+    from absl import flags
+
+    load_end, wall = loadavg(), time.perf_counter() - _START.get("time", time.perf_counter())
+    print(f"\n- loadavg at end: {load_end}; total wall {wall:.0f} s")
+    saved = dict(env=env_lines(), tf_gpipe=tf_gpipe_line(), load_start=_START.get("load"), load_end=load_end)
+    saved.update(flags=flag_values(skip=_NOT_PASSED), wall_s=wall, **data)
+    return save_json(os.path.join(flags.FLAGS.out, f"{name}.json"), saved)
+
+
+def load_json(path: str) -> Dict[str, Any]:
+    with open(path) as f:
+        data = json.load(f)
+    print(f"# from {path}: {data.get('tf_gpipe')}; load {data.get('load_start')} to {data.get('load_end')}")
+    return data
 
 
 # ---------------------------------------------------------------------------- child processes
@@ -155,12 +157,11 @@ def header(title: str, module_name: Optional[str] = None, skip: Sequence[str] = 
 def child_env(mmap_threshold: int = 0, tf_config: Optional[str] = None) -> Dict[str, str]:
     """The environment of a child: this checkout importable, TF quiet, optionally glibc's
     ``MALLOC_MMAP_THRESHOLD_`` (so freed big blocks go back to the OS and RSS follows live memory)."""
-    env = dict(os.environ)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), REPO_ROOT) if p)
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env.pop("TF_CONFIG", None)
     if mmap_threshold > 0:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    env.pop("TF_CONFIG", None)
     if tf_config:
         env["TF_CONFIG"] = tf_config
     return env
@@ -179,26 +180,28 @@ def run_child(
     script: str, args: Sequence[str], env: Dict[str, str], tag: str = RESULT, timeout: Optional[float] = None
 ) -> Tuple[subprocess.CompletedProcess, List[Dict[str, Any]]]:
     """Run ``script`` with ``args`` in a fresh Python process; return it and its result lines."""
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(script), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, os.path.abspath(script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=timeout)
     return proc, parse(proc.stdout, tag)
+
+
+def child(env: Optional[Dict[str, str]] = None, timeout: Optional[float] = None, **config) -> List[Dict]:
+    """Run this script again with ``--child``, its own flags and ``config``'s values in their place
+    (one configuration: e.g. ``stages=[2]`` for a list flag); return its results, or ``[]`` after
+    printing why it failed."""
+    values = dict(flag_values(skip=_NOT_PASSED), **config)
+    args = ["--child", *(_arg(k, v) for k, v in values.items() if v is not None)]
+    proc, results = run_child(sys.argv[0], args, env or child_env(), timeout=timeout)
+    if proc.returncode or not results:
+        print(f"{config}: child failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+        return []
+    return results
 
 
 def stream_child(script: str, args: Sequence[str], env: Dict[str, str]) -> Iterator[Dict[str, Any]]:
     """Like ``run_child``, but yield each result as the child prints it; report a failure at the end."""
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(script), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    cmd = [sys.executable, os.path.abspath(script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None and proc.stderr is not None
     for line in proc.stdout:
         if line.startswith(RESULT):
@@ -213,9 +216,12 @@ def stream_child(script: str, args: Sequence[str], env: Dict[str, str]) -> Itera
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(v if isinstance(v, str) else f"{v}" for v in r) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["| " + " | ".join(str(v) for v in r) + " |" for r in rows])
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> None:
+    """A blank line, the title (if any) and the Markdown table."""
+    print(f"\n{title}\n" * bool(title) + "\n" + md_table(headers, rows), flush=True)
 
 
 def save_json(path: str, data: Any) -> str:
@@ -237,9 +243,8 @@ def pyplot():
 
 def save_figure(fig, *paths: str, dpi: int = 100) -> None:
     """Save ``fig`` to every non-empty path (e.g. --out and a docs/images copy), then close it."""
-    for path in paths:
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            fig.savefig(path, dpi=dpi)
-            print(f"- wrote {path}")
+    for path in filter(None, paths):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+        print(f"- wrote {path}")
     pyplot().close(fig)
