@@ -18,7 +18,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO_ROOT, "benchmarks", "out")  # scratch output, git-ignored
@@ -192,9 +192,12 @@ def child(env: Optional[Dict[str, str]] = None, timeout: Optional[float] = None,
     values = dict(flag_values(skip=_NOT_PASSED), **config)
     args = ["--child", *(_arg(k, v) for k, v in values.items() if v is not None)]
     proc, results = run_child(sys.argv[0], args, env or child_env(), timeout=timeout)
+    name = " ".join(_arg(k, v) for k, v in config.items())
     if proc.returncode or not results:
-        print(f"{config}: child failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+        print(f"{name}: child failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
         return []
+    for r in results:  # progress: the scalars of each result
+        print(name, " ".join(f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float)), flush=True)
     return results
 
 
@@ -214,12 +217,14 @@ def stream_child(script: str, args: Sequence[str], env: Dict[str, str]) -> Itera
 # ---------------------------------------------------------------------------- output
 
 
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def md_table(headers: Union[str, Sequence[str]], rows: Sequence[Sequence[object]]) -> str:
+    """``headers``: a list, or one string with the headers between ``|``."""
+    headers = headers.split("|") if isinstance(headers, str) else headers
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(v) for v in r) + " |" for r in rows])
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> None:
+def print_table(headers, rows: Sequence[Sequence[object]], title: str = "") -> None:
     """A blank line, the title (if any) and the Markdown table."""
     print(f"\n{title}\n" * bool(title) + "\n" + md_table(headers, rows), flush=True)
 

@@ -173,12 +173,6 @@ def main(argv):
             if not run:
                 break
             runs += run
-            print(
-                f"{'plain Keras' if K == 0 else f'K={K} M={M} remat={remat}':28s} "
-                f"tf_peak={run[0]['tf_peak_MiB']:8.1f} MiB  rss_peak={run[0]['rss_peak_MiB']:8.1f} MiB  "
-                f"1st step={run[0]['first_step_s']:.2f}s  step={run[0]['step_s']:.2f}s",
-                flush=True,
-            )
         r = dict(runs[0]) if len(runs) == FLAGS.repeats else dict(K=K, M=M, remat=remat, error=True)
         for key in ("tf_peak_MiB", "rss_peak_MiB", "step_s") if "error" not in r else ():
             r[key + "_runs"] = [x[key] for x in runs]
