@@ -18,7 +18,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO_ROOT, "benchmarks", "out")  # scratch output, git-ignored
@@ -54,20 +54,17 @@ def _run(*cmd: str) -> str:
         return ""
 
 
-def cpu_model() -> str:
-    lines = [s for s in _run("lscpu").splitlines() if s.startswith("Model name:")]
-    return lines[0].split(":", 1)[1].strip() if lines else platform.processor() or "unknown"
-
-
 def env_lines() -> List[str]:
     import keras
     import numpy
     import tensorflow as tf
 
     mem = _read("/proc/meminfo", "MemTotal: 0 kB").split()[1]
+    cpu = [s.split(":", 1)[1].strip() for s in _run("lscpu").splitlines() if s.startswith("Model name:")]
+    cpu = (cpu or [platform.processor()])[0]
     threads = tf.config.threading
     return [
-        f"CPU: {cpu_model()} ({os.cpu_count()} logical cores visible, {len(os.sched_getaffinity(0))} usable)",
+        f"CPU: {cpu} ({os.cpu_count()} logical cores visible, {len(os.sched_getaffinity(0))} usable)",
         f"RAM: {int(mem) / 2**20:.1f} GiB; GPUs visible to TF: {len(tf.config.list_physical_devices('GPU'))}",
         f"Python {platform.python_version()}, TensorFlow {tf.__version__}, Keras {keras.__version__}, "
         f"NumPy {numpy.__version__}",
@@ -167,22 +164,9 @@ def child_env(mmap_threshold: int = 0, tf_config: Optional[str] = None) -> Dict[
     return env
 
 
-def emit(result: Dict[str, Any], tag: str = RESULT) -> None:
+def emit(result: Dict[str, Any]) -> None:
     """A child's result: one JSON line its parent picks out of the output."""
-    print(tag + json.dumps(result), flush=True)
-
-
-def parse(stdout: str, tag: str = RESULT) -> List[Dict[str, Any]]:
-    return [json.loads(s[len(tag) :]) for s in stdout.splitlines() if s.startswith(tag)]
-
-
-def run_child(
-    script: str, args: Sequence[str], env: Dict[str, str], tag: str = RESULT, timeout: Optional[float] = None
-) -> Tuple[subprocess.CompletedProcess, List[Dict[str, Any]]]:
-    """Run ``script`` with ``args`` in a fresh Python process; return it and its result lines."""
-    cmd = [sys.executable, os.path.abspath(script), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=timeout)
-    return proc, parse(proc.stdout, tag)
+    print(RESULT + json.dumps(result), flush=True)
 
 
 def child(env: Optional[Dict[str, str]] = None, timeout: Optional[float] = None, **config) -> List[Dict]:
@@ -191,7 +175,9 @@ def child(env: Optional[Dict[str, str]] = None, timeout: Optional[float] = None,
     printing why it failed."""
     values = dict(flag_values(skip=_NOT_PASSED), **config)
     args = ["--child", *(_arg(k, v) for k, v in values.items() if v is not None)]
-    proc, results = run_child(sys.argv[0], args, env or child_env(), timeout=timeout)
+    cmd = [sys.executable, os.path.abspath(sys.argv[0]), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or child_env(), timeout=timeout)
+    results = [json.loads(s[len(RESULT) :]) for s in proc.stdout.splitlines() if s.startswith(RESULT)]
     name = " ".join(_arg(k, v) for k, v in config.items())
     if proc.returncode or not results:
         print(f"{name}: child failed (rc={proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
@@ -202,7 +188,7 @@ def child(env: Optional[Dict[str, str]] = None, timeout: Optional[float] = None,
 
 
 def stream_child(script: str, args: Sequence[str], env: Dict[str, str]) -> Iterator[Dict[str, Any]]:
-    """Like ``run_child``, but yield each result as the child prints it; report a failure at the end."""
+    """Run ``script`` with ``args``; yield each result as the child prints it, report a failure at the end."""
     cmd = [sys.executable, os.path.abspath(script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None and proc.stderr is not None

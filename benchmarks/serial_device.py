@@ -16,20 +16,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["SerialWork", "clear_work_log", "configure_threads", "device_lock", "work_log"]
+__all__ = ["SerialWork", "configure_threads"]
 
 _LOCKS: Dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
-# (device, kind, t_start, t_end, recomputing) per host-function call, when logging is on.
-_LOG: list = []
-_LOGGING = {"on": False}
-
 MODES = ("stateless", "py_function")
 
 
@@ -42,46 +38,17 @@ def configure_threads(inter_op: int = 64, intra_op: int = 2) -> None:
     tf.config.threading.set_intra_op_parallelism_threads(intra_op)
 
 
-def device_lock(device_index: int) -> threading.Lock:
-    """The lock that makes modelled device ``device_index`` a serial resource."""
+def _hold(device_index: int, ms: float) -> None:
+    """Hold modelled device ``device_index`` (its lock) for ``ms``."""
     with _LOCKS_GUARD:
-        lock = _LOCKS.get(device_index)
-        if lock is None:
-            lock = _LOCKS[device_index] = threading.Lock()
-        return lock
-
-
-def work_log(on: Optional[bool] = None) -> list:
-    """The host-side work log; ``work_log(True)`` starts logging, ``work_log(False)`` stops."""
-    if on is not None:
-        _LOGGING["on"] = on
-    return _LOG
-
-
-def clear_work_log() -> None:
-    del _LOG[:]
-
-
-def _hold(device_index: int, ms: float, kind: str) -> None:
-    lock = device_lock(device_index)
+        lock = _LOCKS.setdefault(device_index, threading.Lock())
     with lock:
-        t0 = time.perf_counter()
-        if ms > 0:
-            # sleep to a deadline: robust to early wake-ups
-            deadline = t0 + ms / 1e3
-            while True:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    break
-                time.sleep(left)
-        t1 = time.perf_counter()
-    if _LOGGING["on"]:
-        _LOG.append((device_index, kind, t0, t1))
+        deadline = time.perf_counter() + ms / 1e3
+        while (left := deadline - time.perf_counter()) > 0:  # a deadline: robust to early wake-ups
+            time.sleep(left)
 
 
-def _host(
-    x: tf.Tensor, device_index: int, ms: float, kind: str, mode: str, after: Optional[tf.Tensor] = None
-) -> tf.Tensor:
+def _host(x: tf.Tensor, device_index: int, ms: float, kind: str, mode: str, after=None) -> tf.Tensor:
     """``x`` passed through a host function that holds the device for ``ms``.
 
     ``after``, if given, is a second (data) input: the work starts once it is
@@ -91,21 +58,15 @@ def _host(
     inputs = [x] if after is None else [x, after]
 
     def work(value, *_):
-        _hold(device_index, ms, kind)
+        _hold(device_index, ms)
         return value
 
     if mode == "stateless":
         out = tf.numpy_function(
-            lambda *v: np.asarray(work(*v)),
-            inputs,
-            Tout=x.dtype,
-            stateful=False,
-            name=f"serial_{kind}",
+            lambda *v: np.asarray(work(*v)), inputs, Tout=x.dtype, stateful=False, name=f"serial_{kind}"
         )
-    elif mode == "py_function":
-        out = tf.py_function(work, inputs, Tout=x.dtype, name=f"serial_{kind}")
     else:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        out = tf.py_function(work, inputs, Tout=x.dtype, name=f"serial_{kind}")
     out.set_shape(x.shape)
     return out
 
@@ -121,20 +82,15 @@ class SerialWork(keras.layers.Layer):
         mode: ``"stateless"`` or ``"py_function"`` (see the module docstring).
     """
 
-    def __init__(
-        self,
-        device_index: int,
-        forward_ms: float,
-        backward_ms: float,
-        mode: str = "stateless",
-        **kwargs,
-    ):
+    def __init__(self, device_index: int, forward_ms: float, backward_ms: float, mode="stateless", **kwargs):
         super().__init__(**kwargs)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.device_index = int(device_index)
-        self.forward_ms = float(forward_ms)
-        self.backward_ms = float(backward_ms)
+        self.device_index, self.forward_ms, self.backward_ms = (
+            int(device_index),
+            float(forward_ms),
+            float(backward_ms),
+        )
         self.mode = mode
 
     def build(self, input_shape):
@@ -142,18 +98,10 @@ class SerialWork(keras.layers.Layer):
 
     def call(self, x):
         d, fwd, bwd, mode = self.device_index, self.forward_ms, self.backward_ms, self.mode
-        # tf_gpipe.is_recomputing() is True while the backward replays the forward: the
-        # replay costs forward_ms again, as recomputing a real stage would.
-        try:
-            from tf_gpipe import is_recomputing
-
-            kind = "R" if is_recomputing() else "F"
-        except ImportError:  # pragma: no cover
-            kind = "F"
 
         @tf.custom_gradient
         def run(x, w):
-            y = _host(x, d, fwd, kind, mode) * w
+            y = _host(x, d, fwd, "F", mode) * w  # a replayed (re-materialized) forward costs fwd again
 
             def grad(dy):
                 # The backward consumes the forward's output: without it the gradient would
@@ -171,11 +119,5 @@ class SerialWork(keras.layers.Layer):
         return input_shape
 
     def get_config(self):
-        config = super().get_config()
-        config.update(
-            device_index=self.device_index,
-            forward_ms=self.forward_ms,
-            backward_ms=self.backward_ms,
-            mode=self.mode,
-        )
-        return config
+        names = ("device_index", "forward_ms", "backward_ms", "mode")
+        return dict(super().get_config(), **{name: getattr(self, name) for name in names})
