@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import types
 
 from absl import app, flags
 
@@ -40,13 +41,12 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1")
 
 
 def _load_schedules():
+    # A bare tf_gpipe package (its __init__ imports TensorFlow) holding the real modules.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "tf_gpipe", "schedules.py")
-    spec = importlib.util.spec_from_file_location("tf_gpipe_schedules", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    package = types.ModuleType("tf_gpipe")
+    package.__path__ = [os.path.join(root, "tf_gpipe")]
+    sys.modules.setdefault("tf_gpipe", package)
+    return importlib.import_module("tf_gpipe.schedules")
 
 
 def _number(x: float) -> str:
