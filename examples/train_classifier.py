@@ -35,6 +35,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's C++ star
 
 from absl import app, flags
 
+import tf_gpipe.flags as pipeline_flags
+
 FLAGS = flags.FLAGS
 
 flags.DEFINE_integer(
@@ -55,6 +57,7 @@ flags.DEFINE_enum(
     "backward pass ('always'), for every stage but the last ('except_last'), or not at all.",
 )
 flags.DEFINE_integer("epochs", 20, "Training epochs.")
+pipeline_flags.define_plan_flags(FLAGS)
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size (split into num_micro_batches micro-batches).")
 flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate.")
 flags.DEFINE_integer("num_examples", 3000, "Synthetic examples in total (train + validation + test).")
@@ -126,13 +129,26 @@ def main(argv):
     )
 
     layers = build_layers(FLAGS.num_classes, FLAGS.hidden_units, FLAGS.num_blocks, FLAGS.dropout)
-    model = tf_gpipe.PipelineModel(
-        layers,
-        num_stages=FLAGS.num_stages,
-        num_micro_batches=FLAGS.num_micro_batches,
-        remat=FLAGS.remat,
-        name="gpipe_classifier",
-    )
+    if FLAGS.plan_memory_budget:  # the planner picks K, cuts, M, remat and schedule
+        plan = tf_gpipe.plan(
+            layers,
+            (FLAGS.batch_size, x.shape[1]),
+            FLAGS.num_stages,
+            FLAGS.plan_memory_budget,
+            FLAGS.batch_size,
+            optimizer="adam",
+            repeats=2,
+        )
+        print(plan.report(limit=8))
+        model = tf_gpipe.PipelineModel(layers, plan=plan, name="gpipe_classifier")
+    else:
+        model = tf_gpipe.PipelineModel(
+            layers,
+            num_stages=FLAGS.num_stages,
+            num_micro_batches=FLAGS.num_micro_batches,
+            remat=FLAGS.remat,
+            name="gpipe_classifier",
+        )
     model.compile(
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -6,6 +6,7 @@ pytest process already has TensorFlow initialized by conftest.py).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,17 @@ def test_train_classifier_rejects_bad_flags():
     proc = _run(["--remat=sometimes"], timeout=120)
     assert proc.returncode != 0
     assert "remat" in proc.stderr
+
+
+def test_train_classifier_builds_from_a_plan():
+    # --plan_memory_budget: the planner picks the pipeline and prints its report; the summary
+    # shows the plan's balance (one epoch on a small data set: only the wiring is checked here).
+    proc = _run(
+        ["--epochs=1", "--num_examples=300", "--batch_size=32", "--verbose=0", "--plan_memory_budget=64MiB"]
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    assert "Plan: K=" in proc.stdout and "Candidates (" in proc.stdout, output[-5000:]
+    summary = _summary(proc.stdout)
+    planned = re.search(r"Plan: K=(\d+) .*balance=(\[[0-9, ]+\])", proc.stdout)
+    assert planned and summary["balance"] == json.loads(planned.group(2)), proc.stdout[-3000:]

@@ -205,3 +205,25 @@ def test_setup_devices(cpu_devices):
     # ... asking for more once TensorFlow is running says what to do.
     with pytest.raises(RuntimeError, match="before any TensorFlow op"):
         pipeline_flags.setup_devices(_parse(["--virtual_cpus=8"]))
+
+
+# ---------------------------------------------------------------- --plan_memory_budget
+
+
+@pytest.mark.parametrize(
+    "text, expected", [("1048576", 2**20), ("2GiB", 2 * 2**30), ("1.5 MiB", 3 * 2**19), ("3GB", 3 * 10**9)]
+)
+def test_plan_memory_budget_parses_bytes_and_units(text, expected):
+    fv = flags.FlagValues()
+    pipeline_flags.define_plan_flags(fv)
+    fv(["prog", f"--plan_memory_budget={text}"])
+    assert fv.plan_memory_budget == expected
+
+
+def test_plan_memory_budget_is_off_by_default_and_names_a_bad_unit():
+    fv = flags.FlagValues()
+    pipeline_flags.define_plan_flags(fv)
+    fv(["prog"])
+    assert fv.plan_memory_budget is None
+    with pytest.raises(flags.IllegalFlagValueError, match="512MiB or 2GiB"):
+        fv(["prog", "--plan_memory_budget=2 parsecs"])

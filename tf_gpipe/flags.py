@@ -28,6 +28,8 @@ __all__ = [
     "BALANCE_METHODS",
     "FLAG_NAMES",
     "define_pipeline_flags",
+    "define_plan_flags",
+    "parse_bytes",
     "pipeline_kwargs",
     "setup_devices",
 ]
@@ -351,3 +353,40 @@ def setup_devices(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[List[
     from tf_gpipe.devices import configure_virtual_cpus
 
     return configure_virtual_cpus(n)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"`` -> 2147483648: bytes, or a number with a unit (B, KB, MB, GB, KiB, MiB, GiB)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is no size: give bytes, or a number with a unit such as 512MiB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+class _BytesParser(flags.ArgumentParser):
+    syntactic_help = "bytes, or a number with a unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB"
+
+    def parse(self, argument: Any) -> Optional[int]:
+        if argument in (None, ""):
+            return None
+        return argument if isinstance(argument, int) else parse_bytes(argument)
+
+
+def define_plan_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Define ``--plan_memory_budget``: when set, a script calls ``tf_gpipe.plan`` with it and
+    builds its model from the plan (``PipelineModel(layers, plan=p)``), printing ``p.report()``."""
+    flags.DEFINE(
+        _BytesParser(),
+        "plan_memory_budget",
+        None,
+        "Memory budget per device for tf_gpipe.plan (bytes, or e.g. 2GiB). When set, the planner "
+        "chooses K, the stage cuts, M, remat and the schedule (the flags for those are ignored) "
+        "and prints its report.",
+        flag_values=flag_values,
+    )

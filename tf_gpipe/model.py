@@ -77,6 +77,9 @@ class PipelineModel(keras.Model):
             same micro-batches as the main input, and a layer receives it as a
             keyword argument when its ``call`` has a parameter of that name. Side
             inputs are not differentiated.
+        plan: a ``tf_gpipe.plan(...)`` result: sets ``num_stages``, ``balance``,
+            ``num_micro_batches``, ``remat``, ``schedule``, ``virtual_stages`` and
+            ``devices``; any of these also given must agree with it.
         **kwargs: ``name``, ``trainable``, ``dtype`` as for any Keras model.
 
     Call arguments:
@@ -115,9 +118,15 @@ class PipelineModel(keras.Model):
         virtual_stages: int = 1,
         deferred_batch_norm: bool = True,
         side_inputs: Sequence[str] = (),
+        plan: Any = None,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
+        if plan is not None:  # tf_gpipe.plan(...) sets these; any also given here must agree with it
+            num_stages, balance, num_micro_batches, devices, remat, schedule, virtual_stages = plan.resolve(
+                num_stages=num_stages, balance=balance, num_micro_batches=num_micro_batches,
+                devices=devices, remat=remat, schedule=schedule, virtual_stages=virtual_stages,
+            )  # fmt: skip
         layer_list, spec = unpack_layers(layers)
         if not layer_list:
             raise ValueError("tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer.")

@@ -1,0 +1,269 @@
+"""Does tf_gpipe.plan predict what it chose? Predicted vs measured step time and peak memory.
+
+For an MLP, a Transformer stack and a CNN from keras.applications (MobileNet, alpha 0.25),
+each in a fresh child process: plan on K logical CPUs, build ``PipelineModel(layers,
+plan=p)``, train a few steps, and compare the measured median step time with
+``p.predicted_step_s`` and the CPU allocator's peak with the predicted peak. After every
+real layer sits a ``Work`` layer that makes its device a serial resource busy for a known
+time per example (benchmarks/serial_device.py's locks), so the logical CPUs behave like
+independent devices although they share the cores; the planner profiles those layers
+like any other. All logical CPUs share one allocator, so the measured peak is compared
+with the predicted peak of the whole process on the simulated timeline
+(``predict.process_peak``), not the per-device one. Method and results:
+benchmarks/plan/README.md. Never run by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # the CPU allocator keeps statistics only then
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # also puts the repo root on sys.path
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["mlp", "transformer", "cnn"], "Models to plan and measure.")
+flags.DEFINE_integer("devices", 4, "K: logical CPUs offered to the planner.")
+flags.DEFINE_integer("batch", 512, "Global batch.")
+flags.DEFINE_float("budget_mib", 1024.0, "Memory budget per device, MiB.")
+flags.DEFINE_float("work_ms_per_example", 0.02, "Serial work per example per real layer, forward (ms).")
+flags.DEFINE_float("work_fixed_ms", 2.0, "Serial work per call per real layer, forward (ms).")
+flags.DEFINE_integer("max_micro_batches", 16, "The largest M the planner tries.")
+flags.DEFINE_bool("also_remat", True, "Also measure the fastest fitting candidate of each other remat mode.")
+flags.DEFINE_integer("steps", 5, "Timed steps (median), after two untimed ones.")
+flags.DEFINE_string("optimizer", "adam", "Optimizer (the planner counts its slots).")
+flags.DEFINE_bool("child", False, "Internal: run one model, print RESULT lines.")
+flags.DEFINE_string("model", "mlp", "Internal (child): the model.")
+
+MiB = harness.MiB
+
+
+def _work_layer():
+    """``Work``: identity whose forward and backward hold their device's lock for a known time."""
+    import keras
+    import numpy as np
+    import serial_device as sd
+    import tensorflow as tf
+
+    class Work(keras.layers.Layer):
+        """``y = x * w``; forward sleeps ``fixed_ms + per_example_ms * n`` on the device it runs on,
+        the backward twice that. Only scalars pass through the host: the big tensors stay
+        TensorFlow's, so the allocator sees them."""
+
+        def __init__(self, fixed_ms: float, per_example_ms: float, **kwargs):
+            super().__init__(**kwargs)
+            self.fixed_ms, self.per_example_ms = fixed_ms, per_example_ms
+
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+        def call(self, x):
+            probe = tf.zeros(())
+            name = probe.device.rsplit(":", 1)
+            device = int(name[1]) if len(name) == 2 and name[1].isdigit() else 0
+            fixed, per = self.fixed_ms, self.per_example_ms
+
+            def host(kind, scale):
+                def work(n, *_):
+                    sd._hold(device, scale * (fixed + per * int(n)), kind)
+                    return np.float32(0.0)
+
+                return work
+
+            @tf.custom_gradient
+            def run(x, w):
+                # A data input (one element of x): constant inputs would let Grappler fold the call away.
+                n, one = tf.shape(x)[0], tf.reshape(x, [-1])[:1]
+                t = tf.numpy_function(host("F", 1.0), [n, one], Tout=tf.float32, stateful=False)
+                t.set_shape(())
+                y = x * (w + t)
+
+                def grad(dy):
+                    # Reads the forward's output, as SerialWork does: a replayed forward is not pruned.
+                    probe = [n, tf.reshape(y, [-1])[:1], tf.reshape(dy, [-1])[:1]]
+                    tb = tf.numpy_function(host("B", 2.0), probe, Tout=tf.float32, stateful=False)
+                    tb.set_shape(())
+                    return dy * (w + tb), tf.reduce_sum(dy * x)
+
+                return y, grad
+
+            return run(x, tf.identity(keras.ops.convert_to_tensor(self.w)))
+
+        def compute_output_shape(self, input_shape):
+            return input_shape
+
+    return Work
+
+
+def _layers(name: str, Work):
+    import keras
+
+    work = dict(fixed_ms=FLAGS.work_fixed_ms, per_example_ms=FLAGS.work_ms_per_example)
+    if name == "mlp":
+        body = [keras.layers.Dense(256, activation="relu") for _ in range(6)] + [keras.layers.Dense(10)]
+        spec = keras.Input((128,))
+    elif name == "transformer":
+
+        class Block(keras.layers.Layer):
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                self.attn = keras.layers.MultiHeadAttention(4, 16)
+                self.ff1, self.ff2 = keras.layers.Dense(256, activation="gelu"), keras.layers.Dense(64)
+                self.n1, self.n2 = keras.layers.LayerNormalization(), keras.layers.LayerNormalization()
+
+            def call(self, x):
+                x = self.n1(x + self.attn(x, x))
+                return self.n2(x + self.ff2(self.ff1(x)))
+
+        body = [keras.layers.Dense(64)] + [Block() for _ in range(4)]
+        body += [keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10)]
+        spec = keras.Input((32, 48))
+    elif name == "cnn":
+        net = keras.applications.MobileNet(
+            input_shape=(32, 32, 3), alpha=0.25, weights=None, classes=10, include_top=True
+        )
+        body = net.layers[1:]  # MobileNet (v1) is a chain: no skip connections
+        spec = keras.Input((32, 32, 3))
+    else:
+        raise ValueError(f"unknown model {name!r}")
+    layers = [spec]
+    for i, layer in enumerate(body):
+        layers += [layer, Work(name=f"work_{i}", **work)]
+    return layers
+
+
+def child() -> None:
+    import serial_device as sd
+
+    sd.configure_threads(inter_op=64, intra_op=2)  # before TensorFlow initializes
+    import tf_gpipe
+
+    K = FLAGS.devices
+    tf_gpipe.configure_virtual_cpus(K)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_gpipe.plan import predict
+    from tf_gpipe.plan.search import remat_flags
+
+    tf.get_logger().setLevel("ERROR")
+    Work = _work_layer()
+    keras.utils.set_random_seed(0)
+    layers = _layers(FLAGS.model, Work)
+    devices = [f"/device:CPU:{i}" for i in range(K)]
+    t0 = time.perf_counter()
+    p = tf_gpipe.plan(
+        layers, None, devices, FLAGS.budget_mib * MiB, FLAGS.batch,
+        optimizer=FLAGS.optimizer, max_micro_batches=FLAGS.max_micro_batches,
+    )  # fmt: skip
+    plan_s = time.perf_counter() - t0
+    chosen = [p.chosen]
+    if FLAGS.also_remat:
+        for mode in ("never", "except_last", "always"):
+            other = next((c for c in p.candidates if c.fits and c.remat == mode), None)
+            if other is not None and other.remat != p.chosen.remat:
+                chosen.append(other)
+    shape = tuple(layers[0].shape[1:])
+    rng = np.random.default_rng(0)
+    with tf.device("CPU:0"):
+        x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
+        y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
+    for c in chosen:
+        keras.backend.clear_session()
+        keras.utils.set_random_seed(0)
+        fresh = _layers(FLAGS.model, Work)
+        p.chosen = c  # measure this candidate as if chosen
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        model = tf_gpipe.PipelineModel(fresh, plan=p)
+        model.compile(
+            optimizer=FLAGS.optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False,
+        )
+        model.train_on_batch(x, y)  # traces
+        model.train_on_batch(x, y)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        times = []
+        for _ in range(FLAGS.steps):
+            t0 = time.perf_counter()
+            model.train_on_batch(x, y)
+            times.append(time.perf_counter() - t0)
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+        flags_ = remat_flags(c.remat, len(c.balance))
+        schedule = tf_gpipe.schedules.get(c.schedule, c.num_stages, c.num_micro_batches, c.virtual_stages)
+        process = predict.process_peak(schedule, c.stages, flags_, p.optimizer_slots)
+        harness.emit(
+            dict(
+                model=FLAGS.model,
+                plan=c.label() + f" balance={c.balance}",
+                chosen=c is chosen[0],
+                predicted_ms=c.step_s * 1e3,
+                measured_ms=statistics.median(times) * 1e3,
+                times_ms=[t * 1e3 for t in times],
+                predicted_process_MiB=process / MiB,
+                predicted_device_MiB=[b / MiB for b in c.peak_bytes],
+                measured_MiB=peak / MiB,
+                plan_s=plan_s,
+                report=p.report(limit=8) if c is chosen[0] else "",
+                loadavg=harness.loadavg(),
+            )
+        )
+
+
+def parent() -> None:
+    harness.header("tf_gpipe.plan: predicted vs measured", __name__, skip=("child", "model"))
+    env = harness.child_env()
+    passthrough = harness.flag_args(
+        ("devices", "batch", "budget_mib", "work_ms_per_example", "work_fixed_ms", "max_micro_batches")
+        + ("also_remat", "steps", "optimizer")
+    )
+    results = []
+    for name in FLAGS.models:
+        for r in harness.stream_child(__file__, ["--child", f"--model={name}", *passthrough], env):
+            results.append(r)
+            if r["report"]:
+                print(r["report"] + "\n")
+            print(
+                f"{r['model']}: {r['plan']}: step {r['measured_ms']:.1f} ms measured, "
+                f"{r['predicted_ms']:.1f} predicted; peak {r['measured_MiB']:.2f} MiB measured, "
+                f"{r['predicted_process_MiB']:.2f} predicted (plan took {r['plan_s']:.1f} s)",
+                flush=True,
+            )
+    rows = [
+        [
+            r["model"] + (" *" if r["chosen"] else ""),
+            r["plan"],
+            f"{r['predicted_ms']:.1f}",
+            f"{r['measured_ms']:.1f}",
+            f"{r['measured_ms'] / r['predicted_ms']:.3f}",
+            f"{r['predicted_process_MiB']:.2f}",
+            f"{r['measured_MiB']:.2f}",
+            f"{r['measured_MiB'] / r['predicted_process_MiB']:.3f}",
+            " / ".join(f"{b:.2f}" for b in r["predicted_device_MiB"]),
+        ]
+        for r in results
+    ]
+    headers = ["model (* chosen)", "plan", "pred. ms", "meas. ms", "ratio", "pred. MiB", "meas. MiB", "ratio"]
+    print()
+    print(harness.md_table(headers + ["pred. MiB per device"], rows))
+    print(f"\n- loadavg at end: {harness.loadavg()}")
+
+
+def main(argv):
+    del argv
+    if FLAGS.child:
+        child()
+    else:
+        parent()
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,191 @@
+"""tf_gpipe.plan: the prediction formulas, the search under a budget, the nothing-fits message,
+and PipelineModel(plan=p). Most tests plan from a hand-made profile: no timing, exact numbers."""
+
+import keras
+import numpy as np
+import pytest
+from helpers import assert_all_close, data, mlp_layers, pair
+
+import tf_gpipe
+from tf_gpipe import schedules
+from tf_gpipe.plan import PlanError, count_optimizer_slots, plan_from_profile, predict
+from tf_gpipe.plan.profile import Affine, LayerProfile, ModelProfile, profile_layers
+
+CPUS = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2", "/device:CPU:3"]
+
+
+def hand_profile(layers=2, fwd=1.0, bwd=2.0, act=100.0, saved=0.0, params=1000, call=0.0):
+    """Every layer alike: seconds and bytes per example, ``params`` trainable bytes."""
+    return ModelProfile(
+        [
+            LayerProfile(
+                name=f"l{i}",
+                trainable_bytes=params,
+                non_trainable_bytes=0,
+                forward_s=Affine(0.0, fwd),
+                backward_s=Affine(0.0, bwd),
+                input_bytes=Affine(0.0, act),
+                output_bytes=Affine(0.0, act),
+                saved_bytes=Affine(0.0, saved),
+                uses_input=True,
+                saves_output=False,
+            )
+            for i in range(layers)
+        ],
+        Affine(call, 0.0),
+        Affine(call, 0.0),
+    )
+
+
+def test_affine_fit_through_two_points_and_never_negative():
+    a = Affine.fit(4, 10.0, 32, 66.0)
+    assert (a.fixed, a.per_example) == (2.0, 2.0) and a.at(8) == 18.0
+    assert Affine.fit(4, 10.0, 32, 5.0) == Affine(5.0, 0.0)  # noise tilting the line down: flat
+
+
+def test_prediction_formulas_on_a_hand_checked_case():
+    # Two layers, one per stage, micro-batches of n = 4 (global batch 8, M = 2), gpipe on 2 devices.
+    prof = hand_profile(fwd=1.0, bwd=2.0, act=100.0, saved=50.0, params=1000)
+    stages = predict.stage_costs(prof, [1, 1], 4)
+    assert stages[0].forward_s == 4.0 and stages[0].backward_s == 8.0
+    assert stages[0].input_bytes == 400.0
+    assert stages[0].activation_bytes == 400.0 + 200.0  # its input (the Dense keeps it) + saved
+    sched = schedules.get("gpipe", 2, 2)
+    # Fill-drain: (M + K - 1) (F + B); a re-materialized backward replays the forward: B' = F + B.
+    assert predict.step_time(sched, stages, [False, False])[0] == 3 * (4 + 8)
+    assert predict.step_time(sched, stages, [True, True])[0] == 3 * (4 + 4 + 8)
+    # Static: weights, their gradient sums and 2 Adam slots = 4 x 1000 bytes a stage.
+    static = 4 * 1000
+    work, grad = 400 + 400, 1000  # a layer's input + output in flight, one layer's weight gradient
+    # Device 1, remat "never": both forwards stash 600; the first backward runs beside both.
+    never = static + 2 * 600 + work + grad
+    # remat "always": both forwards stash their input (400); a backward re-builds the other 200.
+    always = static + 2 * 400 + 200 + work + grad
+    assert predict.device_memory(sched, stages, [False, False], 2)[1] == never
+    assert predict.device_memory(sched, stages, [True, True], 2)[1] == always
+    # Device 0: its inputs are the split batch (M x 400) from the start; it stashes 200 more each.
+    assert predict.device_memory(sched, stages, [False, False], 2)[0] == static + 800 + 2 * 200 + work + grad
+    # 1F1B holds fewer micro-batches than fill-drain on the first device only once M > K.
+    many = predict.stage_costs(prof, [1, 1], 1)
+    g = predict.device_memory(schedules.get("gpipe", 2, 8), many, [False, False], 0)
+    f = predict.device_memory(schedules.get("1f1b", 2, 8), many, [False, False], 0)
+    assert f[0] < g[0]
+    # The whole process on the timeline is at most the sum of the devices' peaks.
+    assert predict.process_peak(sched, stages, [False, False], 2) <= sum(
+        predict.device_memory(sched, stages, [False, False], 2)
+    )
+
+
+def test_chosen_plan_is_the_fastest_that_fits_the_budget():
+    prof = hand_profile(layers=4, act=1000.0, saved=4000.0, params=100)
+    free = plan_from_profile(prof, 2, 1e12, 16, max_micro_batches=8)
+    fastest = free.chosen
+    budget = fastest.max_peak - 1  # the fastest no longer fits
+    p = plan_from_profile(prof, 2, budget, 16, max_micro_batches=8)
+    assert max(p.predicted_peak_bytes) <= budget
+    fitting = [c for c in p.candidates if max(c.peak_bytes) <= budget]
+    assert p.predicted_step_s == min(c.step_s for c in fitting)
+    assert p.chosen is not fastest and p.predicted_step_s >= fastest.step_s
+
+
+def test_tighter_budget_moves_to_remat_or_more_micro_batches():
+    prof = hand_profile(layers=4, act=1000.0, saved=8000.0, params=100)
+    loose = plan_from_profile(prof, 2, 1e12, 64, max_micro_batches=8, schedules=["gpipe"])
+    assert loose.remat == "never"  # re-materialization only costs time when memory is free
+    never_peaks = [c.max_peak for c in loose.candidates if c.remat == "never"]
+    tight = plan_from_profile(prof, 2, min(never_peaks) - 1, 64, max_micro_batches=8, schedules=["gpipe"])
+    assert tight.remat != "never"
+    assert max(tight.predicted_peak_bytes) < min(never_peaks)
+
+
+def test_nothing_fits_says_what_would():
+    prof = hand_profile(layers=4, act=1.0, params=1000)  # weights dominate: 4000 bytes a layer
+    with pytest.raises(PlanError, match=r"nothing fits .* What would fit:\n  - more devices: 4") as info:
+        plan_from_profile(prof, 2, 6000, 4)
+    assert info.value.candidates and all(not c.fits for c in info.value.candidates)
+    # Activations dominate: more (smaller) micro-batches, or a smaller global batch, would fit.
+    prof = hand_profile(layers=2, act=1000.0, saved=10_000.0, params=1)
+    with pytest.raises(PlanError, match="more micro-batches") as info:
+        plan_from_profile(prof, 2, 30_000, 16, max_micro_batches=1)
+    assert "a smaller global batch" in str(info.value)
+
+
+def test_report_lists_the_candidates_and_the_reason():
+    prof = hand_profile(layers=4, act=1000.0, saved=4000.0, params=100)
+    fastest = plan_from_profile(prof, 2, 1e12, 16, max_micro_batches=4).chosen
+    p = plan_from_profile(prof, 2, fastest.max_peak - 1, 16, max_micro_batches=4)
+    text = p.report(limit=None)
+    assert f"Candidates ({len(p.candidates)} weighed" in text
+    table = text.split("Candidates (")[1].splitlines()[3:]  # after the title, header and rule
+    rows = [line for line in table if line.lstrip("* ").startswith(("1 ", "2 "))]
+    assert len(rows) == len(table) == len(p.candidates)
+    assert "faster ones do not fit, e.g. " + fastest.label() in text
+    assert [line for line in rows if line.startswith("*")] and "Why: the fastest" in text
+    assert "... " in p.report(limit=3) and len(p.report(limit=3)) < len(text)
+
+
+def test_pipeline_model_takes_the_plan_and_matches_sequential():
+    prof = hand_profile(layers=6)
+    p = plan_from_profile(prof, CPUS[:2], 1e12, 10, max_micro_batches=4)
+    # Of the plan's candidates, one with uneven micro-batches (10 examples in 4) on 2 devices.
+    p.chosen = next(c for c in p.candidates if c.num_stages == 2 and c.num_micro_batches == 4)
+    seq, pm = pair(mlp_layers, (None, 8), plan=p)
+    assert pm.balance == p.balance and pm.num_micro_batches == 4 and pm.remat == p.remat
+    assert pm.schedule == p.schedule and pm.devices == CPUS[:2] and pm.num_stages == 2
+    x, y = data(10)
+    for model in (seq, pm):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.train_on_batch(x, y)
+    assert_all_close(seq.get_weights(), pm.get_weights())
+    # Arguments given beside the plan must agree with it.
+    tf_gpipe.PipelineModel(mlp_layers(), plan=p, num_micro_batches=4, devices=CPUS[:2])
+    with pytest.raises(
+        ValueError, match=r"num_micro_batches=8 disagrees with the plan's num_micro_batches=4"
+    ):
+        tf_gpipe.PipelineModel(mlp_layers(), plan=p, num_micro_batches=8)
+    with pytest.raises(ValueError, match=r"devices=.* disagrees"):
+        tf_gpipe.PipelineModel(mlp_layers(), plan=p, devices=CPUS[2:])
+
+
+def test_plan_profiles_real_layers():
+    layers = [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(3)]
+    prof = profile_layers(layers, None, [2, 8], repeats=1, warmup=0)
+    dense, last = prof.layers
+    # A Dense(relu) keeps its input (weight gradient) and its output (ReLU gradient).
+    assert dense.uses_input and dense.saves_output and last.uses_input and not last.saves_output
+    assert dense.input_bytes == Affine(0.0, 16 * 4) and dense.output_bytes == Affine(0.0, 32 * 4)
+    assert dense.trainable_bytes == (16 * 32 + 32) * 4
+    p = tf_gpipe.plan(layers, None, CPUS[:2], 2**30, 8, optimizer="sgd", repeats=1)
+    assert p.optimizer_slots == 0 and p.num_stages <= 2 and sum(p.balance) == 2
+    assert all(c.schedule != "zb-h1" for c in p.candidates) or _runs("zb-h1")
+
+
+def _runs(schedule):
+    try:
+        tf_gpipe.PipelineModel([keras.layers.Dense(1)], schedule=schedule)
+    except ValueError:
+        return False
+    return True
+
+
+def test_count_optimizer_slots():
+    assert count_optimizer_slots("adam") == 2
+    assert count_optimizer_slots(keras.optimizers.SGD()) == 0
+    assert count_optimizer_slots(keras.optimizers.SGD(momentum=0.9)) == 1
+
+
+def test_bad_arguments_name_the_problem():
+    prof = hand_profile()
+    with pytest.raises(ValueError, match="global_batch must be an integer >= 1"):
+        plan_from_profile(prof, 2, 1e9, 0)
+    with pytest.raises(ValueError, match="memory_budget_bytes must be > 0"):
+        plan_from_profile(prof, 2, 0, 8)
+    with pytest.raises(ValueError, match="remats must be some of"):
+        plan_from_profile(prof, 2, 1e9, 8, remats=["sometimes"])
+    with pytest.raises(TypeError, match="functional model"):
+        inp = keras.Input((4,))
+        tf_gpipe.plan(keras.Model(inp, keras.layers.Dense(2)(inp)), None, 2, 1e9, 8)
+    assert np.isfinite(plan_from_profile(prof, 1, 1e9, 8).predicted_step_s)

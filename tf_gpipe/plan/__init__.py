@@ -1,0 +1,223 @@
+"""Plan a pipeline: profile the layers once, predict every configuration, keep the fastest that fits.
+
+``tf_gpipe.plan.profile`` measures each layer (forward and backward seconds, the
+bytes its backward keeps, its weights), ``tf_gpipe.plan.predict`` prices a
+configuration (simulated step time, peak memory per device),
+``tf_gpipe.plan.search`` weighs stage cuts, K, M, re-materialization and schedule,
+and ``tf_gpipe.plan.report`` holds the chosen :class:`Plan` and its report.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence, Union
+
+import keras
+
+from tf_gpipe.plan import predict, profile, report, search  # noqa: F401  (predict: for readers)
+from tf_gpipe.plan.profile import ModelProfile
+from tf_gpipe.plan.report import Plan, PlanError
+from tf_gpipe.plan.search import REMATS, Candidate
+
+__all__ = [
+    "REMATS",
+    "Candidate",
+    "ModelProfile",
+    "Plan",
+    "PlanError",
+    "count_optimizer_slots",
+    "plan",
+    "plan_from_profile",
+]
+
+
+def count_optimizer_slots(optimizer: Any) -> int:
+    """Slot variables a Keras optimizer keeps per trainable weight (Adam 2, SGD with momentum 1).
+
+    Counted by building a fresh copy of ``optimizer`` (an instance or a name such as
+    ``"adam"``) for one weight.
+    """
+    opt = keras.optimizers.get(optimizer)
+    fresh = type(opt).from_config(opt.get_config())
+    weight = keras.Variable(keras.ops.zeros((3, 7)), name="planner_probe")
+    fresh.build([weight])
+    return sum(1 for v in fresh.variables if tuple(v.shape) == (3, 7))
+
+
+@functools.cache
+def _runnable(schedule: str) -> bool:
+    """Whether PipelineModel accepts ``schedule`` (it refuses split-backward ones it cannot run)."""
+    from tf_gpipe.model import PipelineModel
+
+    try:
+        PipelineModel([keras.layers.Identity()], num_micro_batches=1, schedule=schedule)
+    except ValueError:
+        return False
+    return True
+
+
+def plan(
+    layers_or_model: Any,
+    sample_input: Any,
+    devices: Union[int, Sequence[str]],
+    memory_budget_bytes: float,
+    global_batch: int,
+    *,
+    optimizer: Any = None,
+    optimizer_slots: Optional[int] = None,
+    schedules: Optional[Sequence[str]] = None,
+    remats: Sequence[str] = REMATS,
+    max_micro_batches: int = 64,
+    virtual_stages: int = 2,
+    repeats: int = 5,
+    profile_device: Optional[str] = None,
+) -> Plan:
+    """Choose K, stage cuts, M, re-materialization and schedule for the fastest fitting step.
+
+    Each layer is profiled once (forward and backward time, the activation bytes
+    its backward keeps, its weights) at the smallest and the largest micro-batch
+    considered; then every configuration is priced by simulation: K from 1 to the
+    number of devices, M among the divisors of ``global_batch`` and the powers of
+    two up to ``max_micro_batches``, each remat mode and schedule, and two cuts
+    (even time, even memory). The fastest whose predicted peak memory fits
+    ``memory_budget_bytes`` on every device wins.
+
+    Args:
+        layers_or_model: Keras layers (a list, or a ``keras.Sequential``), as for
+            ``PipelineModel``. Functional models with skip connections are not planned yet.
+        sample_input: a batch, a shape such as ``(32, 784)``, or ``keras.Input``;
+            its batch dimension is replaced by the micro-batch sizes profiled.
+        devices: device strings (the plan uses the first K), or a device count.
+        memory_budget_bytes: the most bytes any device may hold.
+        global_batch: examples per training step.
+        optimizer: the optimizer (instance or name), to count its slots; or give
+            ``optimizer_slots`` (default 2, Adam's).
+        schedules: schedule names to weigh; default ``"gpipe"``, ``"1f1b"``,
+            ``"interleaved"``, and ``"zb-h1"`` where ``PipelineModel`` can run it.
+            ``"1f1b"`` and later compute the loss per micro-batch (see ``PipelineModel``).
+        remats: remat modes to weigh.
+        max_micro_batches: the largest M tried.
+        virtual_stages: v for ``"interleaved"``.
+        repeats: timed calls per layer and batch size.
+        profile_device: where layers are timed; default the first device given, else CPU.
+
+    Returns:
+        A :class:`Plan`: ``PipelineModel(layers, plan=p)``; ``p.report()`` explains it.
+
+    Raises:
+        PlanError: nothing fits; the message says what would (more devices, more
+            micro-batches, re-materialization, a smaller batch).
+
+    Example:
+        >>> p = tf_gpipe.plan(layers, (None, 784), ["/CPU:0", "/CPU:1"], 2**30, global_batch=256)
+        >>> model = tf_gpipe.PipelineModel(layers, plan=p); print(p.report())  # doctest: +SKIP
+    """
+    if isinstance(layers_or_model, keras.Model) and not isinstance(layers_or_model, keras.Sequential):
+        raise TypeError(
+            "tf_gpipe: plan takes a list of layers or a keras.Sequential; a functional model "
+            "with skip connections cannot be planned yet (pass its layers if they form a chain)."
+        )
+    _check(devices, global_batch, memory_budget_bytes, remats)
+    if optimizer is not None and optimizer_slots is not None:
+        raise ValueError("tf_gpipe: give optimizer or optimizer_slots, not both.")
+    slots = count_optimizer_slots(optimizer) if optimizer is not None else optimizer_slots
+    sizes = [-(-global_batch // m) for m in search.micro_batch_counts(global_batch, max_micro_batches)]
+    if profile_device is None:
+        profile_device = devices[0] if not isinstance(devices, int) and not isinstance(devices, str) else None
+    profiled = profile.profile_layers(
+        layers_or_model,
+        sample_input,
+        [min(sizes), max(sizes)],
+        repeats=repeats,
+        device=profile_device or "/device:CPU:0",
+    )
+    return plan_from_profile(
+        profiled,
+        devices,
+        memory_budget_bytes,
+        global_batch,
+        optimizer_slots=2 if slots is None else slots,
+        schedules=schedules,
+        remats=remats,
+        max_micro_batches=max_micro_batches,
+        virtual_stages=virtual_stages,
+    )
+
+
+def _check(devices: Any, global_batch: Any, memory_budget_bytes: Any, remats: Sequence[str]) -> int:
+    """The device count, after checking the arguments ``plan`` and ``plan_from_profile`` share."""
+    count = devices if isinstance(devices, int) and not isinstance(devices, bool) else None
+    if count is None:
+        count = 1 if isinstance(devices, str) else len(list(devices))
+    if count < 1:
+        raise ValueError(f"tf_gpipe: plan needs at least one device, got {devices!r}.")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"tf_gpipe: global_batch must be an integer >= 1, got {global_batch!r}.")
+    if not memory_budget_bytes > 0:
+        raise ValueError(f"tf_gpipe: memory_budget_bytes must be > 0, got {memory_budget_bytes!r}.")
+    bad = [r for r in remats if r not in REMATS]
+    if bad or not remats:
+        raise ValueError(f"tf_gpipe: remats must be some of {list(REMATS)}, got {list(remats)!r}.")
+    return count
+
+
+def plan_from_profile(
+    profiled: ModelProfile,
+    devices: Union[int, Sequence[str]],
+    memory_budget_bytes: float,
+    global_batch: int,
+    *,
+    optimizer_slots: int = 2,
+    schedules: Optional[Sequence[str]] = None,
+    remats: Sequence[str] = REMATS,
+    max_micro_batches: int = 64,
+    virtual_stages: int = 2,
+) -> Plan:
+    """:func:`plan` from a profile already taken: re-plan for another budget, batch or
+    device count without measuring again (``p.profile`` is the profile a plan used).
+
+    Args:
+        profiled: a ``ModelProfile`` (``p.profile``, or ``profile.profile_layers(...)``).
+        Others: as for :func:`plan`.
+    """
+    count = _check(devices, global_batch, memory_budget_bytes, remats)
+    device_list = (
+        None if isinstance(devices, int) else [devices] if isinstance(devices, str) else list(devices)
+    )
+    if schedules is None:
+        schedules = ["gpipe", "1f1b", "interleaved"] + (["zb-h1"] if _runnable("zb-h1") else [])
+    options = dict(
+        num_devices=list(range(1, min(count, len(profiled.layers)) + 1)),
+        global_batch=global_batch,
+        memory_budget_bytes=memory_budget_bytes,
+        optimizer_slots=optimizer_slots,
+        schedule_names=list(schedules),
+        remats=list(remats),
+        max_micro_batches=max_micro_batches,
+        virtual_stages=virtual_stages,
+    )
+    candidates = search.search(profiled, **options)  # type: ignore[arg-type]
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+
+        def alternatives(**changes: Any) -> list:
+            return search.search(profiled, **{**options, **changes})
+
+        raise report.nothing_fits(
+            candidates,
+            memory_budget_bytes,
+            count,
+            optimizer_slots,
+            alternatives,
+            global_batch,
+            len(profiled.layers),
+        )
+    return Plan(
+        chosen=fitting[0],
+        candidates=candidates,
+        device_list=device_list,
+        memory_budget_bytes=float(memory_budget_bytes),
+        global_batch=global_batch,
+        optimizer_slots=optimizer_slots,
+        profile=profiled,
+    )
