@@ -195,7 +195,9 @@ def _compiled_with_xla(model):
     out = []
     for cell in model.cells:
         fns = stage.functions(cell)
-        concrete = fns._forward._list_all_concrete_functions()
+        concrete = [
+            cf for fn in (fns._forward, fns._forward_taped) for cf in fn._list_all_concrete_functions()
+        ]
         assert concrete, "the stage's forward was never traced"
         out.append(all(cf.function_def.attr["_XlaMustCompile"].b for cf in concrete))
     return out

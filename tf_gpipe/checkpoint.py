@@ -121,7 +121,7 @@ def forward(
             with tape:
                 tape.watch(_float_tensors(inputs))
                 outputs, out_mask, losses, before = fns.forward(
-                    inputs, mask, side, nonempty, training, deferred
+                    inputs, mask, side, nonempty, training, deferred, taped=True
                 )
     return Record(
         inputs=inputs,

@@ -127,13 +127,22 @@ class StageFunctions:
         # with M). A call is one op that starts when all its inputs are ready.
         options = dict(reduce_retracing=True, autograph=False, experimental_attributes={"_noinline": True})
         self._forward = tf.function(self._forward_body, jit_compile=jit_compile, **options)
+        # The forward of a stage that is not re-materialized runs under a tape, and its
+        # gradient is TensorFlow's. As one call, that backward would hold every saved
+        # activation until it returns, and its outputs (the stage's weight gradients) on
+        # top: ~1.25x plain Keras' peak. Inlined, each activation is freed once its
+        # gradient is made, as in plain Keras, at the cost of K x M copies of the body
+        # in the optimized graph (a slower first step for remat="never").
+        self._forward_taped = tf.function(
+            self._forward_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False
+        )
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
         # Timeline markers are host callbacks, which XLA cannot compile.
         self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
         self._add = tf.function(self._add_body, jit_compile=False, **options)
         self._zero = tf.function(self._zero_body, jit_compile=False, **options)
         if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
-            self._forward = self._forward_body
+            self._forward = self._forward_taped = self._forward_body
             self._backward = self._backward_marked = self._backward_body
             self._add, self._zero = self._add_body, self._zero_body
 
@@ -212,9 +221,19 @@ class StageFunctions:
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self, inputs: Any, mask: Any, side: Optional[dict], nonempty: Any, training: Any, deferred: Any
+        self,
+        inputs: Any,
+        mask: Any,
+        side: Optional[dict],
+        nonempty: Any,
+        training: Any,
+        deferred: Any,
+        taped: bool = False,
     ) -> Tuple[Any, Any, List[tf.Tensor], List[tf.Tensor]]:
         """Run the stage on one micro-batch, applying its variable updates once.
+
+        ``taped``: the caller differentiates this call with a tape (no re-materialization);
+        it then runs as a function the runtime may inline (see ``__init__``).
 
         Returns ``(outputs, out_mask, layer losses, before)``: ``before`` holds the
         value each written variable had, for the replay. BatchNormalization moments
@@ -222,9 +241,8 @@ class StageFunctions:
         """
         defer = deferred is not None and bool(training) and bool(self.cell.batch_norms)
         with tf.device(self.cell.device):
-            outputs, out_mask, losses, before, moments = self._forward(
-                inputs, mask, side, nonempty, training, defer
-            )
+            fn = self._forward_taped if taped else self._forward
+            outputs, out_mask, losses, before, moments = fn(inputs, mask, side, nonempty, training, defer)
         if defer:
             for bn, sums in zip(self._deferred_layers[(training, defer)], moments):
                 deferred.add_sums(bn, sums)
