@@ -69,9 +69,9 @@ def _work_layer():
             device = int(name[1]) if len(name) == 2 and name[1].isdigit() else 0
             fixed, per = self.fixed_ms, self.per_example_ms
 
-            def host(kind, scale):
+            def host(scale):
                 def work(n, *_):
-                    sd._hold(device, scale * (fixed + per * int(n)), kind)
+                    sd._hold(device, scale * (fixed + per * int(n)))
                     return np.float32(0.0)
 
                 return work
@@ -80,14 +80,14 @@ def _work_layer():
             def run(x, w):
                 # A data input (one element of x): constant inputs would let Grappler fold the call away.
                 n, one = tf.shape(x)[0], tf.reshape(x, [-1])[:1]
-                t = tf.numpy_function(host("F", 1.0), [n, one], Tout=tf.float32, stateful=False)
+                t = tf.numpy_function(host(1.0), [n, one], Tout=tf.float32, stateful=False)
                 t.set_shape(())
                 y = x * (w + t)
 
                 def grad(dy):
                     # Reads the forward's output, as SerialWork does: a replayed forward is not pruned.
                     probe = [n, tf.reshape(y, [-1])[:1], tf.reshape(dy, [-1])[:1]]
-                    tb = tf.numpy_function(host("B", 2.0), probe, Tout=tf.float32, stateful=False)
+                    tb = tf.numpy_function(host(2.0), probe, Tout=tf.float32, stateful=False)
                     tb.set_shape(())
                     return dy * (w + tb), tf.reduce_sum(dy * x)
 
