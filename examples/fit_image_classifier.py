@@ -45,6 +45,7 @@ import tf_gpipe.flags as pipeline_flags
 FLAGS = flags.FLAGS
 
 pipeline_flags.define_pipeline_flags(defaults={"num_stages": 4, "num_micro_batches": 4, "virtual_cpus": 4})
+pipeline_flags.define_plan_flags(FLAGS)
 flags.DEFINE_enum(
     "dataset",
     "auto",
@@ -204,7 +205,20 @@ def main(argv):
     )
 
     layers = build_layers(x.shape[1:], len(class_names), FLAGS.filters, FLAGS.dropout)
-    model = tf_gpipe.PipelineModel(layers, name="gpipe_cnn", **pipeline_flags.pipeline_kwargs(FLAGS))
+    if FLAGS.plan_memory_budget:  # the planner picks K (up to --num_stages), cuts, M, remat, schedule
+        plan = tf_gpipe.plan(
+            layers,
+            (FLAGS.batch_size,) + tuple(x.shape[1:]),
+            FLAGS.num_stages,
+            FLAGS.plan_memory_budget,
+            FLAGS.batch_size,
+            optimizer="adam",
+            repeats=2,
+        )
+        print(plan.report(limit=8))
+        model = tf_gpipe.PipelineModel(layers, plan=plan, name="gpipe_cnn")
+    else:
+        model = tf_gpipe.PipelineModel(layers, name="gpipe_cnn", **pipeline_flags.pipeline_kwargs(FLAGS))
     model.compile(
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -30,14 +30,19 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["mlp", "transformer", "cnn"], "Models to plan and measure.")
 flags.DEFINE_integer("devices", 4, "K: logical CPUs offered to the planner.")
-flags.DEFINE_integer("batch", 512, "Global batch.")
+flags.DEFINE_integer(
+    "batch", 128, "Global batch (small: the Work sleeps, not real compute, should dominate)."
+)
 flags.DEFINE_float("budget_mib", 1024.0, "Memory budget per device, MiB.")
-flags.DEFINE_float("work_ms_per_example", 0.02, "Serial work per example per real layer, forward (ms).")
-flags.DEFINE_float("work_fixed_ms", 2.0, "Serial work per call per real layer, forward (ms).")
+flags.DEFINE_float("work_ms_per_example", 0.1, "Serial work per example per real layer, forward (ms).")
+flags.DEFINE_float("work_fixed_ms", 3.0, "Serial work per call per real layer, forward (ms).")
 flags.DEFINE_integer("max_micro_batches", 16, "The largest M the planner tries.")
 flags.DEFINE_bool("also_remat", True, "Also measure the fastest fitting candidate of each other remat mode.")
 flags.DEFINE_integer("steps", 5, "Timed steps (median), after two untimed ones.")
 flags.DEFINE_string("optimizer", "adam", "Optimizer (the planner counts its slots).")
+flags.DEFINE_integer("repeats", 3, "Timed calls per layer and batch size when profiling.")
+flags.DEFINE_float("time_tolerance", 0.15, "PASS when measured/predicted step time is within this.")
+flags.DEFINE_float("memory_tolerance", 0.20, "PASS when measured/predicted peak memory is within this.")
 flags.DEFINE_bool("child", False, "Internal: run one model, print RESULT lines.")
 flags.DEFINE_string("model", "mlp", "Internal (child): the model.")
 
@@ -69,9 +74,9 @@ def _work_layer():
             device = int(name[1]) if len(name) == 2 and name[1].isdigit() else 0
             fixed, per = self.fixed_ms, self.per_example_ms
 
-            def host(kind, scale):
+            def host(scale):
                 def work(n, *_):
-                    sd._hold(device, scale * (fixed + per * int(n)), kind)
+                    sd._hold(device, scale * (fixed + per * int(n)))
                     return np.float32(0.0)
 
                 return work
@@ -80,14 +85,14 @@ def _work_layer():
             def run(x, w):
                 # A data input (one element of x): constant inputs would let Grappler fold the call away.
                 n, one = tf.shape(x)[0], tf.reshape(x, [-1])[:1]
-                t = tf.numpy_function(host("F", 1.0), [n, one], Tout=tf.float32, stateful=False)
+                t = tf.numpy_function(host(1.0), [n, one], Tout=tf.float32, stateful=False)
                 t.set_shape(())
                 y = x * (w + t)
 
                 def grad(dy):
                     # Reads the forward's output, as SerialWork does: a replayed forward is not pruned.
                     probe = [n, tf.reshape(y, [-1])[:1], tf.reshape(dy, [-1])[:1]]
-                    tb = tf.numpy_function(host("B", 2.0), probe, Tout=tf.float32, stateful=False)
+                    tb = tf.numpy_function(host(2.0), probe, Tout=tf.float32, stateful=False)
                     tb.set_shape(())
                     return dy * (w + tb), tf.reduce_sum(dy * x)
 
@@ -161,7 +166,7 @@ def child() -> None:
     t0 = time.perf_counter()
     p = tf_gpipe.plan(
         layers, None, devices, FLAGS.budget_mib * MiB, FLAGS.batch,
-        optimizer=FLAGS.optimizer, max_micro_batches=FLAGS.max_micro_batches,
+        optimizer=FLAGS.optimizer, max_micro_batches=FLAGS.max_micro_batches, repeats=FLAGS.repeats,
     )  # fmt: skip
     plan_s = time.perf_counter() - t0
     chosen = [p.chosen]
@@ -223,7 +228,7 @@ def parent() -> None:
     env = harness.child_env()
     passthrough = harness.flag_args(
         ("devices", "batch", "budget_mib", "work_ms_per_example", "work_fixed_ms", "max_micro_batches")
-        + ("also_remat", "steps", "optimizer")
+        + ("also_remat", "steps", "optimizer", "repeats")
     )
     results = []
     for name in FLAGS.models:
@@ -237,21 +242,29 @@ def parent() -> None:
                 f"{r['predicted_process_MiB']:.2f} predicted (plan took {r['plan_s']:.1f} s)",
                 flush=True,
             )
-    rows = [
-        [
-            r["model"] + (" *" if r["chosen"] else ""),
-            r["plan"],
-            f"{r['predicted_ms']:.1f}",
-            f"{r['measured_ms']:.1f}",
-            f"{r['measured_ms'] / r['predicted_ms']:.3f}",
-            f"{r['predicted_process_MiB']:.2f}",
-            f"{r['measured_MiB']:.2f}",
-            f"{r['measured_MiB'] / r['predicted_process_MiB']:.3f}",
-            " / ".join(f"{b:.2f}" for b in r["predicted_device_MiB"]),
-        ]
-        for r in results
-    ]
-    headers = ["model (* chosen)", "plan", "pred. ms", "meas. ms", "ratio", "pred. MiB", "meas. MiB", "ratio"]
+
+    def verdict(ratio: float, tolerance: float) -> str:
+        return "PASS" if abs(ratio - 1.0) <= tolerance else "FAIL"
+
+    rows = []
+    for r in results:
+        t = r["measured_ms"] / r["predicted_ms"]
+        m = r["measured_MiB"] / r["predicted_process_MiB"]
+        rows.append(
+            [
+                r["model"] + (" *" if r["chosen"] else ""),
+                r["plan"],
+                f"{r['predicted_ms']:.1f}",
+                f"{r['measured_ms']:.1f}",
+                f"{t:.3f} {verdict(t, FLAGS.time_tolerance)}",
+                f"{r['predicted_process_MiB']:.2f}",
+                f"{r['measured_MiB']:.2f}",
+                f"{m:.3f} {verdict(m, FLAGS.memory_tolerance)}",
+                " / ".join(f"{b:.2f}" for b in r["predicted_device_MiB"]),
+            ]
+        )
+    headers = ["model (* chosen)", "plan", "pred. ms", "meas. ms", "time ratio", "pred. MiB", "meas. MiB"]
+    headers.append("memory ratio")
     print()
     print(harness.md_table(headers + ["pred. MiB per device"], rows))
     print(f"\n- loadavg at end: {harness.loadavg()}")

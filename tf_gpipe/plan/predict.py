@@ -5,11 +5,11 @@ stage's backward adds its forward again), and the schedule's simulation
 (``Schedule.simulate``) gives the step time and bubble. Memory per device: weights,
 optimizer slots and gradient sums, plus activations walked through the device's own
 order of actions: a forward leaves its stash (the stage input with re-materialization,
-every tensor the backward keeps without), a backward frees it, and while a backward
-runs the micro-batch's full activations (re-computed, with remat) and its gradients
-are live beside every stash still held. Ignored: the loss, the traced graph, allocator
-fragmentation, the copies between devices, and each action's fixed call overhead
-beyond what the profile measured.
+every tensor the backward keeps without), a backward frees it. While a backward runs,
+the micro-batch's own activations (re-computed, with remat) are live up to the layer
+whose backward runs, beside that layer's measured peak (its gradients and buffers:
+``LayerProfile.backward_peak``) and every other stash still held. Ignored: the loss,
+the traced graph, allocator fragmentation, and the copies between devices.
 """
 
 from __future__ import annotations
@@ -32,26 +32,34 @@ class StageCost:
     backward_s: float  # the full backward, without re-computation
     input_bytes: float  # the stage input of one micro-batch: its stash with remat
     activation_bytes: float  # everything the backward keeps, the input included
-    work_bytes: float  # the largest layer's input plus output: gradients in flight
-    weight_grad_bytes: int  # the largest layer's weight gradients, made before being summed
+    forward_bytes: float  # the most a forward without a tape adds beside its input
+    taped_forward_bytes: float  # the most a taped forward adds beside its input (its stash included)
+    backward_bytes: float  # the most a backward holds: its input, activations, gradients, buffers
     trainable_bytes: int
     non_trainable_bytes: int
 
 
 def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile) -> StageCost:
-    at = {id(p): (p.input_bytes.at(n), p.output_bytes.at(n)) for p in profiles}
-    activations = profiles[0].input_bytes.at(n) + sum(p.saved_bytes.at(n) for p in profiles)
+    """Walk the stage's layers in order. While layer ``i`` runs, the layers before it hold what
+    their backward keeps (with a tape, or during a replay) and layer ``i`` its measured peak."""
+    kept_before, forward, taped, backward = 0.0, 0.0, 0.0, 0.0
     for i, p in enumerate(profiles):
-        used_by_next = i + 1 < len(profiles) and profiles[i + 1].uses_input
-        if p.saves_output or used_by_next:
-            activations += at[id(p)][1]
+        peak_f, peak_b = p.forward_peak.at(n), p.backward_peak.at(n)
+        forward = max(forward, peak_f + (p.input_bytes.at(n) if i > 0 else 0.0))
+        taped = max(taped, kept_before + peak_f)
+        backward = max(backward, kept_before + peak_b)
+        kept_before += p.saved_bytes.at(n)
+        if p.saves_output or (i + 1 < len(profiles) and profiles[i + 1].uses_input):
+            kept_before += p.output_bytes.at(n)
+    first = profiles[0].input_bytes.at(n)
     return StageCost(
         forward_s=sum((p.forward_s for p in profiles), call.forward_call_s).at(n),
         backward_s=sum((p.backward_s for p in profiles), call.backward_call_s).at(n),
-        input_bytes=profiles[0].input_bytes.at(n),
-        activation_bytes=activations,
-        work_bytes=max(i + o for i, o in at.values()),
-        weight_grad_bytes=max(p.trainable_bytes for p in profiles),
+        input_bytes=first,
+        activation_bytes=first + kept_before,
+        forward_bytes=forward,
+        taped_forward_bytes=taped,
+        backward_bytes=first + backward,
         trainable_bytes=sum(p.trainable_bytes for p in profiles),
         non_trainable_bytes=sum(p.non_trainable_bytes for p in profiles),
     )
@@ -84,29 +92,33 @@ def static_bytes(stage: StageCost, optimizer_slots: int) -> float:
 
 def _events(
     schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool]
-) -> Dict[int, List[Tuple[Action, float, float]]]:
-    """Per device, for each action in its order: (action, bytes live while it runs, after it)."""
+) -> Dict[int, List[Tuple[Action, float, float, float]]]:
+    """Per device, for each action in its order: (action, bytes held while it runs, the most it
+    adds for a moment (its layers' peaks: outputs, gradients, buffers), bytes held after it)."""
     release = "W" if schedule.split_backward else "B"
-    out: Dict[int, List[Tuple[Action, float, float]]] = {}
+    out: Dict[int, List[Tuple[Action, float, float, float]]] = {}
     for d, actions in enumerate(schedule.orders):
         live = _initial(schedule, stages, d)
         rows = []
         for a in actions:
             s = stages[a.stage]
+            # What a forward leaves until its backward; stage 0's inputs are counted up front.
             stash = s.input_bytes if remat[a.stage] else s.activation_bytes
+            arrives = 0.0 if a.stage == 0 else s.input_bytes
             if a.stage == 0:
-                stash -= s.input_bytes  # counted up front
+                stash -= s.input_bytes
             if a.kind == "F":
-                kept = 0.0 if remat[a.stage] else s.activation_bytes - s.input_bytes
-                during = live + kept + s.work_bytes
+                held = live + arrives
+                spike = s.forward_bytes if remat[a.stage] else s.taped_forward_bytes
                 live += stash
             else:
-                # A replay rebuilds what the stash lacks; gradients of one layer are in flight.
-                rebuilt = s.activation_bytes - s.input_bytes if remat[a.stage] else 0.0
-                during = live + rebuilt + s.work_bytes + s.weight_grad_bytes
+                # Its own stash is part of what the backward holds (re-built, with remat).
+                own = stash + (s.input_bytes if a.stage == 0 else 0.0)
+                held = live - own + s.activation_bytes
+                spike = max(s.backward_bytes - s.activation_bytes, 0.0)
                 if a.kind == release:
-                    live -= stash + (s.input_bytes if a.stage == 0 else 0.0)
-            rows.append((a, during, live))
+                    live -= own
+            rows.append((a, held, spike, live))
         out[d] = rows
     return out
 
@@ -119,7 +131,7 @@ def device_memory(
     for i, s in enumerate(stages):
         static[schedule.device_of(i)] += static_bytes(s, optimizer_slots)
     events = _events(schedule, stages, remat)
-    return [static[d] + max((during for _, during, _ in events[d]), default=0.0) for d in events]
+    return [static[d] + max((held + spike for _, held, spike, _ in events[d]), default=0.0) for d in events]
 
 
 def process_peak(
@@ -131,24 +143,30 @@ def process_peak(
 ) -> float:
     """Predicted peak bytes of all devices together, on the simulated timeline.
 
-    For one allocator shared by every device (logical CPUs): the devices' peaks
-    need not coincide, so this is at most the sum of :func:`device_memory`.
+    For one allocator shared by every device (logical CPUs). What an action holds
+    (stashes, the activations of the micro-batch it runs) is summed over the devices
+    at each instant; of the momentary peaks (a layer's gradient buffers: a CPU
+    convolution's backward takes up to 32 MiB for a few milliseconds) only the largest
+    of the actions running then is added: a stage's action lasts many such moments,
+    and the peaks of different devices seldom meet. At most the sum of :func:`device_memory`.
     """
     if timeline is None:
         timeline = step_time(schedule, stages, remat)[2]
     static = sum(static_bytes(s, optimizer_slots) for s in stages)
-    changes: List[Tuple[float, int, int, float]] = []  # (time, ends first, device, bytes from then on)
+    # (time, ends first, device, bytes held from then on, momentary peak from then on)
+    changes: List[Tuple[float, int, int, float, float]] = []
     for d, rows in _events(schedule, stages, remat).items():
-        changes.append((0.0, 0, d, _initial(schedule, stages, d)))
-        for a, during, after in rows:
+        changes.append((0.0, 0, d, _initial(schedule, stages, d), 0.0))
+        for a, held, spike, after in rows:
             slot = timeline.slots[a]
-            changes.append((slot.start, 1, d, during))
-            changes.append((slot.end, 0, d, after))
-    current: Dict[int, float] = {}
+            changes.append((slot.start, 1, d, held, spike))
+            changes.append((slot.end, 0, d, after, 0.0))
+    held_now: Dict[int, float] = {}
+    spike_now: Dict[int, float] = {}
     peak = 0.0
-    for _, _, d, value in sorted(changes, key=lambda c: (c[0], c[1])):
-        current[d] = value
-        peak = max(peak, sum(current.values()))
+    for _, _, d, value, spike in sorted(changes, key=lambda c: (c[0], c[1])):
+        held_now[d], spike_now[d] = value, spike
+        peak = max(peak, sum(held_now.values()) + max(spike_now.values()))
     return static + peak
 
 

@@ -3,23 +3,28 @@
 Every quantity is measured at two batch sizes and kept as an :class:`Affine` cost
 ``fixed + per_example * n``, so that the planner can price any micro-batch size:
 a GPU step has a fixed launch cost that a purely proportional model would miss.
-Times come from ``tf_gpipe.balance.profile`` (``_grad_step``, ``_median_times``),
-with a forward-only step beside it so the backward is their difference. The
-bytes a backward keeps are read from the traced gradient graph: the forward
-tensors its gradient ops consume (what a tape, or ``remat="never"``, holds).
+Times come from ``tf_gpipe.balance.profile._median_times``, of a forward-only step
+and a forward+backward step, so the backward is their difference. The bytes a
+backward keeps are read from the traced gradient graph: the forward tensors its
+gradient ops consume (what a tape, or ``remat="never"``, holds). The bytes a layer
+needs while it runs are measured: the allocator's peak over each of the two steps,
+above its input (``get_memory_info``; on CPU only with ``TF_CPU_ALLOCATOR_USE_BFC=true``).
+That peak holds what no graph shows: a CPU convolution's gradient buffers (up to
+32 MiB a layer, whatever the batch), fused BatchNorm's reserve space, the gradients
+in flight. Without allocator statistics it is estimated from the graph reading.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, List, Sequence, Set, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe.balance.profile import _grad_step, _layer_list, _median_times, _nbytes, _prepare, _sandbox
+from tf_gpipe.balance.profile import _layer_list, _median_times, _nbytes, _prepare, _sandbox
 from tf_gpipe.cell import _layer_kwargs
 
 __all__ = ["Affine", "LayerProfile", "ModelProfile", "profile_layers"]
@@ -61,7 +66,10 @@ class LayerProfile:
 
     ``saved`` is what the layer's backward keeps beyond its input and its output;
     ``uses_input``/``saves_output`` say whether it keeps those too (a Dense keeps
-    its input for the weight gradient, a ReLU its output).
+    its input for the weight gradient, a ReLU its output). ``forward_peak`` and
+    ``backward_peak``: the most bytes beyond its input the layer holds while its
+    forward alone runs, and while its forward and backward run (its kept tensors,
+    output, gradients and every buffer its ops take).
     """
 
     name: str
@@ -74,6 +82,8 @@ class LayerProfile:
     saved_bytes: Affine
     uses_input: bool
     saves_output: bool
+    forward_peak: Affine = ZERO
+    backward_peak: Affine = ZERO
 
 
 @dataclass(frozen=True)
@@ -109,46 +119,118 @@ class _Nothing(keras.layers.Layer):
         return x
 
 
-def _kept(layer: keras.layers.Layer, x: Any, mask: Any) -> Tuple[int, bool, bool]:
-    """(bytes of the forward tensors the gradient keeps, other than input and output;
-    whether it keeps the input; whether it keeps the output), from the traced graph."""
+# Ops whose output shares its input's buffer: a kept view costs what its source costs.
+_VIEWS = {
+    "Reshape",
+    "Identity",
+    "IdentityN",
+    "Squeeze",
+    "ExpandDims",
+    "EnsureShape",
+    "Snapshot",
+    "StopGradient",
+}
+
+
+def _source(t: tf.Tensor) -> tf.Tensor:
+    while t.op.type in _VIEWS and t.op.inputs and t.dtype != tf.resource:
+        t = t.op.inputs[0 if t.op.type != "IdentityN" else t.value_index]
+    return t
+
+
+def _taped_step(layer: keras.layers.Layer, mask: Any, input_grads: bool = True) -> Tuple[Any, dict]:
+    """The layer's forward and backward as one function (timed, and measured with the allocator),
+    and marks that let :func:`_kept` read its traced graph: where the forward ends, its outputs.
+    The first layer gets no input gradient, as in the pipeline (the data need none)."""
     kwargs, marks = _layer_kwargs(layer, mask, True), {}
 
+    @tf.function(autograph=False)
     def step(x):
         watched = [t for t in tf.nest.flatten(x) if t is not None and t.dtype.is_floating]
+        watched = watched if input_grads else []
         with tf.GradientTape() as tape:
             tape.watch(watched)
             y = layer(x, **kwargs)
             flat = [t for t in tf.nest.flatten(y) if t is not None and t.dtype.is_floating]
             loss = tf.add_n([tf.reduce_sum(t) for t in flat] or [tf.constant(0.0)])
         marks["forward_ops"] = len(tf.compat.v1.get_default_graph().get_operations())
-        marks["outputs"] = {id(t) for t in flat}
-        return tape.gradient(loss, watched + list(layer.trainable_variables))
+        marks["outputs"] = flat
+        grads = tape.gradient(loss, watched + list(layer.trainable_variables))
+        # One scalar that needs every gradient: nothing is pruned, and reading it waits for the device.
+        return tf.add_n([loss] + [tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None])
 
-    graph = tf.function(step, autograph=False).get_concrete_function(x).graph
+    return step, marks
+
+
+def _kept(graph: Any, marks: dict) -> Tuple[int, bool, bool]:
+    """(bytes of the forward tensors the gradient keeps, other than input and output;
+    whether it keeps the input; whether it keeps the output), from the traced graph of
+    :func:`_taped_step`. A kept view (a reshape) counts as its source."""
     ops = graph.get_operations()
     forward = {id(op) for op in ops[: marks["forward_ops"]]}
-    kept: Set[int] = set()
+    seen: Set[int] = set()
     kept_tensors = []
     for op in ops[marks["forward_ops"] :]:
         if op.type in _SHAPE_READERS:
             continue
         for t in op.inputs:
-            if id(t.op) in forward and id(t) not in kept:
-                kept.add(id(t))
+            if id(t.op) not in forward:
+                continue
+            t = _source(t)
+            if id(t) not in seen:
+                seen.add(id(t))
                 kept_tensors.append(t)
     inputs = {id(t) for t in graph.inputs}
     uses_input = any(id(t) in inputs and t.dtype != tf.resource for t in kept_tensors)
-    # The graph's own tensors for the layer's outputs (the marks are the traced ones).
-    saves_output = any(id(t) in marks["outputs"] for t in kept_tensors)
+    # The graph's own tensors for the layer's outputs, or their sources where they are views.
+    outputs = {id(_source(t)) for t in marks["outputs"]} - inputs
+    saves_output = any(id(t) in outputs for t in kept_tensors)
     internal = 0
     for t in kept_tensors:
-        if id(t) in inputs or id(t) in marks["outputs"] or t.op.type in _NOT_KEPT:
+        if id(t) in inputs or id(t) in outputs or t.op.type in _NOT_KEPT:
             continue
         if t.dtype == tf.resource or t.shape.rank is None or None in t.shape.as_list():
             continue  # no activation, or a size only known at run time: not counted
         internal += int(np.prod(t.shape.as_list())) * t.dtype.size
     return internal, uses_input, saves_output
+
+
+def _allocator(device: str) -> Optional[str]:
+    """The name ``get_memory_info`` knows ``device`` by, or None where its allocator keeps no
+    statistics (CPU without ``TF_CPU_ALLOCATOR_USE_BFC=true``)."""
+    spec = tf.DeviceSpec.from_string(device)
+    name = f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
+    try:
+        tf.config.experimental.get_memory_info(name)
+    except ValueError:
+        return None
+    return name
+
+
+def _peaks(steps: Sequence[Callable[[], tf.Tensor]], allocator: str) -> List[int]:
+    """Each step's allocator peak above what was allocated before it (its input included)."""
+    out = []
+    for step in steps:
+        tf.config.experimental.reset_memory_stats(allocator)
+        base = tf.config.experimental.get_memory_info(allocator)["current"]
+        step().numpy()
+        out.append(max(tf.config.experimental.get_memory_info(allocator)["peak"] - base, 0))
+    return out
+
+
+def _copy(t: Any) -> Any:
+    return tf.identity(t) if isinstance(t, tf.Tensor) else t
+
+
+def _estimated_peaks(
+    layer: keras.layers.Layer, record: Tuple, kept: Tuple[int, bool, bool], input_grads: bool
+) -> Tuple[int, int]:
+    """(forward, backward) peak bytes beyond the input, from sizes alone (no allocator statistics):
+    the output; then what the backward keeps, the output's gradient, the input's and the weights'."""
+    x, _, y = record
+    internal, _, saves_output = kept
+    out = _nbytes(y) * (2 if saves_output else 1)
+    return _nbytes(y), internal + out + (_nbytes(x) if input_grads else 0) + _nbytes(layer.trainable_weights)
 
 
 def _at_batch(sample: Any, n: int) -> Any:
@@ -206,19 +288,27 @@ def profile_layers(
             "tf_gpipe: plan needs sample_input: a batch, a shape such as (32, 784), or keras.Input."
         )
     sizes = sorted({int(min(batch_sizes)), int(max(batch_sizes))})
+    allocator = _allocator(device)
     per_size = []
     for n in sizes:
         _, records = _prepare(layer_list, _at_batch(sample, n), n)
         nothing = _Nothing(name="planner_call_overhead")
         steps: List[Callable[[], tf.Tensor]] = []
-        for layer, (x, mask, _) in [(nothing, records[0])] + list(zip(layer_list, records)):
+        taped = []
+        with tf.device(device):  # the inputs live where the steps run: the peaks exclude them
+            inputs = [tf.nest.map_structure(_copy, x) for x, _, _ in records]
+        timed = [(nothing, inputs[0], records[0])] + list(zip(layer_list, inputs, records))
+        for j, (layer, x, (_, mask, _)) in enumerate(timed):
+            step, marks = _taped_step(layer, mask, input_grads=j != 1)
             steps.append(partial(_forward_step(layer, mask), x))
-            steps.append(partial(_grad_step(layer, mask), x))
+            steps.append(partial(step, x))
+            taped.append((step, marks, x))
         with tf.device(device), _sandbox(layer_list):
             times = _median_times(steps, warmup, repeats)
-            kept = [_kept(layer, x, mask) for layer, (x, mask, _) in zip(layer_list, records)]
-        per_size.append((n, records, times, kept))
-    (n1, rec1, t1, k1), (n2, rec2, t2, k2) = per_size[0], per_size[-1]
+            peaks = _peaks(steps, allocator) if allocator else None
+        kept = [_kept(step.get_concrete_function(x).graph, marks) for step, marks, x in taped[1:]]
+        per_size.append((n, records, times, kept, peaks))
+    (n1, rec1, t1, k1, p1), (n2, rec2, t2, k2, p2) = per_size[0], per_size[-1]
     out = []
     # Entries 0, 1: the empty function's forward and forward+backward; layer i at 2i+2, 2i+3.
     call_f1, call_f2 = t1[0], t2[0]
@@ -227,6 +317,9 @@ def profile_layers(
         fwd1, fwd2 = max(t1[2 * i + 2] - call_f1, 0.0), max(t2[2 * i + 2] - call_f2, 0.0)
         bwd1 = max(t1[2 * i + 3] - t1[2 * i + 2] - call_b1, 0.0)
         bwd2 = max(t2[2 * i + 3] - t2[2 * i + 2] - call_b2, 0.0)
+        sizes_of = [(n, rec[i], k[i], p and (p[2 * i + 2], p[2 * i + 3])) for n, rec, k, p in
+                    ((n1, rec1, k1, p1), (n2, rec2, k2, p2))]  # fmt: skip
+        peaks_at = [pk or _estimated_peaks(layer, r, kk, i > 0) for _, r, kk, pk in sizes_of]
         out.append(
             LayerProfile(
                 name=layer.name,
@@ -239,6 +332,8 @@ def profile_layers(
                 saved_bytes=Affine.fit(n1, k1[i][0], n2, k2[i][0]),
                 uses_input=k1[i][1] or k2[i][1],
                 saves_output=k1[i][2] or k2[i][2],
+                forward_peak=Affine.fit(n1, peaks_at[0][0], n2, peaks_at[-1][0]),
+                backward_peak=Affine.fit(n1, peaks_at[0][1], n2, peaks_at[-1][1]),
             )
         )
     return ModelProfile(out, Affine.fit(n1, call_f1, n2, call_f2), Affine.fit(n1, call_b1, n2, call_b2))
