@@ -242,7 +242,7 @@ class StageFunctions:
         # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"):
             capture = local.capture(bns, nonempty) if bns else contextlib.nullcontext()
-            with checkpoint._RecordingScope() as scope, capture:
+            with keras_compat.RecordingScope() as scope, capture:
                 outputs, out_mask = cell.call(inputs, mask, training, side)
             skipped = local.skipped_variables(bns) if bns else set()
             written = [v for k, v in scope.written.items() if k not in skipped]
