@@ -24,7 +24,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat
 from tf_gpipe.cell import Cell
 
-__all__ = ["Record", "backward", "checkpointed", "forward", "is_recomputing"]
+__all__ = ["Record", "backward", "forward", "is_recomputing", "rematerialized"]
 
 _local = threading.local()
 
@@ -259,7 +259,7 @@ def tape_gradients(
     return input_grads, [_mask_grad(g, nonempty) for g in result[n_in:]]
 
 
-def checkpointed(
+def rematerialized(
     cell: Cell,
     inputs: Any,
     mask: Any,
