@@ -68,7 +68,7 @@ class KerasCompatError(RuntimeError):
 def _gone(what: str, why: str) -> KerasCompatError:
     return KerasCompatError(
         f"tf_gpipe: Keras {keras.__version__} no longer provides {what}, which tf_gpipe uses to "
-        f"{why}. tf_gpipe is tested with Keras 3.15 (requirements.txt): install keras==3.15.1, or "
+        f"{why}. tf_gpipe is tested with Keras 3.15 (requirements.txt) and 3.16: install keras==3.15.1, or "
         "adapt this hook in tf_gpipe/keras_compat.py (tests/test_keras_compat.py checks each one)."
     )
 
