@@ -158,7 +158,7 @@ def main(argv):
     K, M = model.num_stages, model.num_micro_batches
     print(
         f"PipelineModel: K={K} stages, M={M} micro-batches, remat={model.remat!r}, "
-        f"bubble fraction (K-1)/(M+K-1) = {tf_gpipe.bubble_fraction(M, K):.3f}"
+        f"bubble fraction (K-1)/(M+K-1) = {tf_gpipe.bubble_fraction(K, M):.3f}"
     )
     for cell in model.cells:
         names = ", ".join(layer.name for layer in cell.layers)

@@ -525,7 +525,7 @@ def main(argv):
     print(
         f"PipelineModel: {params:,} parameters, K={K} stages, M={M} micro-batches "
         f"(micro-batch of {math.ceil(FLAGS.batch_size / M)} sequences), schedule={model.schedule!r}, "
-        f"remat={model.remat!r}, bubble (K-1)/(M+K-1) = {tf_gpipe.bubble_fraction(M, K):.3f}"
+        f"remat={model.remat!r}, bubble (K-1)/(M+K-1) = {tf_gpipe.bubble_fraction(K, M):.3f}"
     )
     for cell in model.cells:
         print(f"  stage {cell.index} on {cell.device}: {', '.join(layer.name for layer in cell.layers)}")

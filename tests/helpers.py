@@ -34,6 +34,21 @@ def data(n, d=8, classes=3, seed=0, dtype="float32"):
     return rng.randn(n, d).astype(dtype), rng.randint(0, classes, n)
 
 
+def record_slots(optimizer):
+    """``[(variable, slot), ...]``, filled as ``optimizer`` makes each slot through the public
+    ``add_variable_from_reference`` (call before ``compile``)."""
+    made = []
+    original = optimizer.add_variable_from_reference
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        slot = original(reference_variable, *args, **kwargs)
+        made.append((reference_variable, slot))
+        return slot
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+    return made
+
+
 def assert_all_close(a_list, b_list, rtol=1e-5, atol=1e-5):
     a_list, b_list = list(a_list), list(b_list)
     assert len(a_list) == len(b_list)

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, data, pair
+from helpers import assert_all_close, data, pair, record_slots
 
 import tf_gpipe
 from tf_gpipe import timeline
@@ -273,18 +273,17 @@ def test_optimizer_slots_on_stage_devices_under_mixed_float16(mixed_float16):
     keras.utils.set_random_seed(0)
     layers = [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(8), keras.layers.Dense(3)]
     pm = tf_gpipe.PipelineModel(layers, devices=devices, num_micro_batches=2)
-    pm.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    adam = keras.optimizers.Adam()
+    slots = record_slots(adam)
+    pm.compile(optimizer=adam, loss="mse")
     x = np.random.RandomState(0).randn(8, 5).astype("float32")
     pm.fit(x, np.zeros((8, 3), "float32"), batch_size=8, epochs=1, verbose=0)
-    assert type(pm.optimizer).__name__ == "LossScaleOptimizer"
-    inner = pm.optimizer.inner_optimizer
+    assert type(pm.optimizer).__name__ == "LossScaleOptimizer" and pm.optimizer.inner_optimizer is adam
+    device = {id(v): cell.device for cell in pm.cells for v in cell.trainable_variables}
     placed = []
-    for cell in pm.cells:
-        for v in cell.trainable_variables:
-            i = inner._get_variable_index(v)
-            for slot in (inner._momentums[i], inner._velocities[i]):
-                spec = tf.DeviceSpec.from_string(slot.value.device)
-                placed.append((slot.path, f"/device:CPU:{spec.device_index}", cell.device))
+    for v, slot in slots:
+        spec = tf.DeviceSpec.from_string(slot.value.device)
+        placed.append((slot.path, f"/device:CPU:{spec.device_index}", device[id(v)]))
     assert len(placed) == 12
     assert [p for p in placed if p[1] != p[2]] == []
 

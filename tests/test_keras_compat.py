@@ -2,18 +2,19 @@
 
 Every hook of ``tf_gpipe.keras_compat`` is checked here against the installed Keras,
 so that a Keras upgrade that moves or changes one fails a test that names it (and the
-Keras version) rather than a distant equivalence test. The last tests are the private
-uses still outside keras_compat (checkpoint.py), and the loudness of the hooks
-themselves: a missing private API is a ``KerasCompatError``, never a silent skip.
+Keras version) rather than a distant equivalence test. The last tests are the loudness
+of the hooks themselves: a missing private API is a ``KerasCompatError``, never a silent
+skip.
 """
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import assert_all_close, record_slots
 
 import tf_gpipe
-from tf_gpipe import checkpoint, keras_compat
+from tf_gpipe import keras_compat
 from tf_gpipe.batchnorm import DeferredStats, batch_norm_layers
 from tf_gpipe.cell import Cell, _attach_mask, _eager_build_scope
 
@@ -80,6 +81,59 @@ def test_nested_layers_reaches_every_sublayer():
     assert not isinstance(op, keras.layers.Layer) and keras_compat.nested_layers(op) == [op]
 
 
+# ------------------------------------------------------------------------------ subclassing keras.Model
+def test_first_call_argument_is_what_maybe_build_builds_for():
+    events = []
+
+    class Recording(keras.layers.Layer):
+        def _maybe_build(self, call_spec):
+            events.append(("build", keras_compat.first_call_argument(call_spec)))
+            return super()._maybe_build(call_spec)
+
+        def call(self, x):
+            events.append(("call", x))
+            return x
+
+    tokens = tf.constant([[1, 2]], tf.int32)
+    Recording()(tokens)
+    assert [e for e, _ in events] == ["build", "call"], f"{VERSION}: {events}"
+    assert events[0][1] is tokens, f"{VERSION}: _maybe_build saw {events[0][1]!r}"
+
+
+class _Dtypes(keras.layers.Layer):
+    def call(self, x):
+        self.seen = x
+        return x
+
+
+def test_keep_input_dtypes_passes_inputs_as_given():
+    x = np.ones((1, 2), "float64")
+    cast = _Dtypes()
+    cast(tf.constant(x))
+    assert cast.seen.dtype == tf.float32, f"{VERSION}: a plain layer no longer casts its inputs"
+    kept = _Dtypes()
+    keras_compat.keep_input_dtypes(kept)
+    kept(x)  # an array, positionally
+    assert kept.seen is x, f"{VERSION}: the layer got {kept.seen!r}"
+    kept(tf.constant(x))
+    assert kept.seen.dtype == tf.float64, f"{VERSION}: the layer got {kept.seen.dtype}"
+
+
+def test_track_checkpoint_dependency_saves_the_layer(tmp_path):
+    owner, dense = keras.layers.Layer(), keras.layers.Dense(2)
+    dense.build((None, 3))
+    keras_compat.track_checkpoint_dependency(owner, dense, "layer_0")
+    assert not [v for v in vars(owner).values() if v is dense], "tracked without an attribute"
+    saved = [w.numpy() for w in dense.weights]
+    path = tf.train.Checkpoint(root=owner).save(str(tmp_path / "ckpt"))
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert any(n.startswith("layer_0/") for n in names), f"{VERSION}: {names}"
+    for w in dense.weights:
+        w.assign(tf.zeros_like(w))
+    tf.train.Checkpoint(root=owner).restore(path).assert_existing_objects_matched()
+    assert_all_close([w.numpy() for w in dense.weights], saved)
+
+
 # ------------------------------------------------------------------------------ variables
 def test_backing_variable_is_the_tf_variable(cpu_devices):
     v = keras.Variable(np.zeros(3, "float32"))
@@ -98,6 +152,34 @@ def test_set_backing_variable_moves_the_variable(cpu_devices):
     assert v.value.device.endswith("CPU:2"), f"{VERSION}: {v.value.device}"
     v.assign([7.0, 8.0, 9.0])
     np.testing.assert_array_equal(moved.numpy(), [7.0, 8.0, 9.0], err_msg=VERSION)
+
+
+def _build_in_a_traced_step(optimizer, variables):
+    @tf.function
+    def step():  # where fit's first step builds the optimizer
+        if not optimizer.built:  # a function that makes variables is traced twice
+            optimizer.build(variables)
+
+    step()
+
+
+def test_colocate_optimizer_slots_puts_each_slot_on_its_variables_device(cpu_devices):
+    variables = []
+    for device in (cpu_devices[1], cpu_devices[2]):
+        with tf.device(device):
+            variables.append(keras.Variable(np.zeros((2, 2), "float32")))
+    adam = keras.optimizers.Adam()
+    plain, scaled = record_slots(adam), keras.optimizers.LossScaleOptimizer(adam)
+    keras_compat.colocate_optimizer_slots(scaled)  # the inner optimizer makes the slots
+    keras_compat.colocate_optimizer_slots(scaled)  # idempotent
+    _build_in_a_traced_step(scaled, variables)
+    placed = sorted((v.value.device[-5:], slot.value.device[-5:]) for v, slot in plain)
+    assert placed == [("CPU:1", "CPU:1")] * 2 + [("CPU:2", "CPU:2")] * 2, f"{VERSION}: {placed}"
+    # Without the hook Keras puts them on the default device: the check above is not vacuous.
+    other = keras.optimizers.Adam()
+    unplaced = record_slots(other)
+    _build_in_a_traced_step(other, variables)
+    assert {slot.value.device[-5:] for _, slot in unplaced} == {"CPU:0"}, f"{VERSION}: {unplaced}"
 
 
 # ------------------------------------------------------------------------------ stateless scope
@@ -121,6 +203,20 @@ def test_current_stateless_scope_maps_variable_reads():
     with keras.StatelessScope(state_mapping=[(v, tf.ones(3))]) as scope:
         assert keras_compat.current_stateless_scope() is scope, VERSION
         np.testing.assert_array_equal(scope.get_current_value(v).numpy(), np.ones(3), err_msg=VERSION)
+
+
+def test_recording_scope_sees_every_write_and_keeps_it():
+    drop, bn = _dropout_bn()
+    x = tf.ones((2, 4))
+    before = [v.numpy().copy() for v in (drop.seed_generator.state, bn.moving_mean)]
+    with keras_compat.RecordingScope() as scope:
+        bn(drop(x, training=True), training=True)
+    written = {id(v) for v in scope.written.values()}
+    expected = {id(drop.seed_generator.state), id(bn.moving_mean), id(bn.moving_variance)}
+    assert expected <= written, f"{VERSION}: add_update saw {len(written)} writes"
+    assert all(
+        np.array_equal(b, v.numpy()) for b, v in zip(before, (drop.seed_generator.state, bn.moving_mean))
+    ), f"{VERSION}: a write left the scope"
 
 
 # ------------------------------------------------------------------------------ BatchNormalization
@@ -313,32 +409,6 @@ def test_sequential_functional_holds_the_graph():
     assert len(keras_compat.functional_nodes(functional)) == 1, VERSION
 
 
-# ------------------------------------------------------------------------------ not yet routed here
-def test_stateless_scope_add_update_sees_every_write():
-    """checkpoint._RecordingScope overrides StatelessScope.add_update (private) to learn
-    which variables a forward pass writes: the seed state and the moving statistics."""
-    drop, bn = _dropout_bn()
-    x = tf.ones((2, 4))
-    before = [v.numpy().copy() for v in (drop.seed_generator.state, bn.moving_mean)]
-    with checkpoint._RecordingScope() as scope:
-        bn(drop(x, training=True), training=True)
-    written = {id(v) for v in scope.written.values()}
-    assert {id(drop.seed_generator.state), id(bn.moving_mean), id(bn.moving_variance)} <= written
-    # The scope kept the writes to itself.
-    assert all(
-        np.array_equal(b, v.numpy()) for b, v in zip(before, (drop.seed_generator.state, bn.moving_mean))
-    )
-
-
-def test_get_stateless_scope_maps_variable_reads():
-    """checkpoint._read uses keras.src's get_stateless_scope (private) to read a variable
-    as the enclosing scope maps it."""
-    v = keras.Variable(np.zeros(3, "float32"))
-    with keras.StatelessScope(state_mapping=[(v, tf.ones(3))]):
-        assert np.array_equal(checkpoint._read(v).numpy(), np.ones(3))
-    assert np.array_equal(checkpoint._read(v).numpy(), np.zeros(3))
-
-
 # ------------------------------------------------------------------------------ failing loudly
 def test_a_missing_mask_api_fails_loudly_naming_the_keras_version(monkeypatch):
     """The 3.16 break: get/set_keras_mask gone from where tf_gpipe looks. A stage must not
@@ -367,6 +437,7 @@ def test_a_missing_module_fails_loudly(monkeypatch):
     [
         (keras_compat.call_takes_mask, lambda: keras.layers.Dense(2), "_call_has_mask_arg"),
         (keras_compat.call_takes_training, lambda: keras.layers.Dense(2), "_call_has_training_arg"),
+        (keras_compat.keep_input_dtypes, lambda: keras.layers.Dense(2), "_convert_input_args"),
         (keras_compat.backing_variable, lambda: keras.Variable(np.zeros(2, "float32")), "_value"),
         (keras_compat.outputs_structure, _functional, "_outputs_struct"),
         (keras_compat.functional_nodes, _functional, "_nodes_by_depth"),
@@ -384,6 +455,25 @@ def test_a_missing_private_attribute_fails_loudly(hook, make, private):
     object.__delattr__(obj, private)  # as a Keras without it would have it
     with pytest.raises(keras_compat.KerasCompatError, match=rf"Keras {keras.__version__} no longer provides"):
         hook(obj)
+
+
+@pytest.mark.parametrize(
+    "base, private, make",
+    [
+        (
+            keras.layers.Layer,
+            "_maybe_build",
+            lambda: tf_gpipe.PipelineModel([keras.layers.Dense(2)]),
+        ),
+        (keras.StatelessScope, "add_update", keras_compat.RecordingScope),
+    ],
+)
+def test_a_missing_overridden_method_fails_loudly(monkeypatch, base, private, make):
+    """An override of a method Keras no longer has would silently never run."""
+    make()
+    monkeypatch.delattr(base, private)
+    with pytest.raises(keras_compat.KerasCompatError, match=rf"Keras {keras.__version__} .*{private}"):
+        make()
 
 
 def test_pipeline_model_still_passes_masks_through_the_hooks():

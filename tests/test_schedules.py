@@ -71,7 +71,7 @@ def test_every_schedule_is_complete_and_consistent():
         s = get(name, K, M, v)
         s.validate()
         assert (s.num_devices, s.num_micro_batches, s.virtual_stages) == (K, M, v)
-        assert s.num_stages == K * v
+        assert s.num_virtual_stages == K * v
         counts = Counter(a for order in s.orders for a in order)
         expected = {Action(kind, st, m) for kind in s.kinds for st in range(K * v) for m in range(M)}
         assert s.kinds == ("FBW" if name == "zb-h1" else "FB")
@@ -240,7 +240,7 @@ def test_validate_catches_missing_duplicate_misplaced_and_unknown():
 def test_get_and_errors():
     assert get("gpipe", 3, 4).orders == gpipe(3, 4).orders
     assert get("1f1b", 3, 4).name == "1f1b"
-    assert get("interleaved", 2, 4, 2).num_stages == 4
+    assert get("interleaved", 2, 4, 2).num_virtual_stages == 4
     with pytest.raises(
         ValueError, match=r"unknown schedule 'zb'; valid names: 'gpipe', '1f1b', 'interleaved', 'zb-h1'$"
     ):
@@ -256,7 +256,7 @@ def test_get_and_errors():
     with pytest.raises(ValueError, match=r"virtual_stages must be a positive integer"):
         interleaved(2, 4, 0)
     with pytest.raises(
-        ValueError, match=r"forward_cost has 2 entries, expected one per stage \(num_stages=4\)"
+        ValueError, match=r"forward_cost has 2 entries, expected one per stage \(num_virtual_stages=4\)"
     ):
         interleaved(2, 4, 2).simulate(forward_cost=[1, 2])
     with pytest.raises(ValueError, match="integer costs"):
@@ -282,7 +282,7 @@ def test_clock_cycles_picture():
 def test_every_task_once_and_dependencies_respected():
     for M in range(1, 7):
         for K in range(1, 6):
-            ticks = clock_cycles(M, K)
+            ticks = clock_cycles(K, M)
             assert len(ticks) == M + K - 1
             when = {task: t for t, tick in enumerate(ticks) for task in tick}
             assert sorted(when) == [(m, k) for m in range(M) for k in range(K)]
@@ -296,5 +296,6 @@ def test_every_task_once_and_dependencies_respected():
 
 
 def test_gpipe_bubble_formula():
-    assert bubble_fraction(1, 4) == 3 / 4
-    assert bubble_fraction(16, 4) == 3 / 19
+    assert bubble_fraction(4, 1) == 3 / 4
+    assert bubble_fraction(4, 16) == 3 / 19  # num_devices first, as in every schedule builder
+    assert bubble_fraction(num_devices=4, num_micro_batches=16) == gpipe(4, 16).bubble_fraction(1, 2)

@@ -12,7 +12,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
-from tf_gpipe import checkpoint, keras_compat, stage
+from tf_gpipe import keras_compat, remat, stage
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -182,7 +182,7 @@ def test_stage_outputs_carry_their_keras_mask():
     )
     x = tf.constant([[3, 5, 0], [7, 0, 0]])
     pm(x)
-    record = checkpoint.forward(pm.cells[0], x, None, True, remat=True)
+    record = remat.forward(pm.cells[0], x, None, True, remat=True)
     mask = keras_compat.get_keras_mask(record.outputs)
     assert mask is not None and np.array_equal(mask.numpy(), x.numpy() != 0)
     assert np.array_equal(record.out_mask.numpy(), x.numpy() != 0)
@@ -331,10 +331,10 @@ def test_exact_replay_under_xla(schedule):
     once: re-materialized training equals training on a tape (remat="never")."""
     x, y = data(10)
     results = []
-    for remat in ("never", "always"):
+    for mode in ("never", "always"):
         keras.backend.clear_session()
         pm = tf_gpipe.PipelineModel(
-            _dropout_bn_layers(), num_stages=2, num_micro_batches=4, remat=remat, schedule=schedule
+            _dropout_bn_layers(), num_stages=2, num_micro_batches=4, remat=mode, schedule=schedule
         )
         pm.compile(optimizer="sgd", loss=LOSS, jit_compile=True)
         pm.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
@@ -380,10 +380,10 @@ def test_replay_waits_for_the_output_gradient():
 
     @tf.function
     def step(x):
-        record = checkpoint.forward(cell, x, None, True, remat=True)
+        record = remat.forward(cell, x, None, True, remat=True)
         dy = tf.py_function(slow_gradient, [record.outputs], tf.float32)
         dy.set_shape(record.outputs.shape)
-        _, grads = checkpoint.backward(cell, record, [dy], [], True, cell.trainable_variables)
+        _, grads = remat.backward(cell, record, [dy], [], True, cell.trainable_variables)
         return grads
 
     grads = step(tf.ones((2, 3)))

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tf_gpipe import checkpoint, stage
+from tf_gpipe import remat, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
@@ -81,7 +81,7 @@ def run_schedule(
     cells: Sequence[Cell],
     split: Split,
     masks: List[Any],
-    remat: Callable[[int], bool],
+    rematerializes: Callable[[int], bool],
     sides: Optional[List[Any]] = None,
     batch_loss: Optional[BatchLossFn] = None,
     micro_loss: Optional[MicroLossFn] = None,
@@ -92,10 +92,10 @@ def run_schedule(
     """Build one training step of ``schedule`` over ``cells``.
 
     Args:
-        schedule: a ``tf_gpipe.schedules.Schedule`` with ``num_stages == len(cells)``.
+        schedule: a ``tf_gpipe.schedules.Schedule`` with ``num_virtual_stages == len(cells)``.
         cells: the stages; stage ``s`` runs on ``cells[s].device``.
         split: the micro-batched inputs of stage 0; masks: their Keras masks.
-        remat: whether stage ``s`` is re-materialized.
+        rematerializes: whether stage ``s`` is re-materialized.
         sides: per micro-batch, the side inputs every stage may read (or None).
         batch_loss: given the last stage's outputs of every micro-batch and their
             masks, the loss gradient for each (fill-drain schedules only).
@@ -110,12 +110,12 @@ def run_schedule(
         {id(variable): summed gradient}, losses the layers added, per micro-batch)``.
     """
     S, M = len(cells), len(split)
-    if schedule.num_stages != S or schedule.num_micro_batches != M:
+    if schedule.num_virtual_stages != S or schedule.num_micro_batches != M:
         raise ValueError(
-            f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_stages} stages x "
+            f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
             f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
         )
-    records: Dict[Tuple[int, int], checkpoint.Record] = {}
+    records: Dict[Tuple[int, int], remat.Record] = {}
     grads_in: Dict[Tuple[int, int], List[Optional[tf.Tensor]]] = {}
     outputs: List[Any] = [None] * M
     out_masks: List[Any] = [None] * M
@@ -140,12 +140,12 @@ def run_schedule(
             with tf.name_scope(f"stage{s}_mb{m}"), tf.device(cell.device):
                 start = mark("start " + tag, d, last.get(d, []) + _done(x))
                 x = _after(start, x)
-                rec = checkpoint.forward(
+                rec = remat.forward(
                     cell,
                     x,
                     mask,
                     True,
-                    remat=remat(s),
+                    remat=rematerializes(s),
                     nonempty=split.nonempty(m),
                     deferred=deferred,
                     side=None if sides is None else sides[m],
@@ -189,7 +189,7 @@ def run_schedule(
                     deps.append(stage.functions(cell).zero_sums())
                 start = mark("start " + tag, d, deps)
                 dy = _after(start, grads_in.pop((s, m)))
-                in_grads, result = checkpoint.backward(
+                in_grads, result = remat.backward(
                     cell,
                     rec,
                     dy,

@@ -22,21 +22,26 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import keras
+import tensorflow as tf
 
 __all__ = [
     "KerasCompatError",
+    "RecordingScope",
     "aggregate_additional_loss",
     "backing_variable",
     "batch_norm_reduction_axes",
     "call_takes_mask",
     "call_takes_training",
     "clear_losses",
+    "colocate_optimizer_slots",
     "compiled_loss",
     "current_stateless_scope",
+    "first_call_argument",
     "flat_compiled_losses",
     "functional_nodes",
     "get_keras_mask",
     "inputs_structure",
+    "keep_input_dtypes",
     "loss_tracker",
     "model_compute_loss",
     "nested_layers",
@@ -44,12 +49,14 @@ __all__ = [
     "observe_batch_norm_moments",
     "operation_caller",
     "outputs_structure",
+    "overridable",
     "sequential_functional",
     "set_backing_variable",
     "set_initial_epoch",
     "set_keras_mask",
     "standardize_inputs",
     "suspend_stateless_scope",
+    "track_checkpoint_dependency",
     "unscale_loss_for_distribution",
 ]
 
@@ -61,7 +68,7 @@ class KerasCompatError(RuntimeError):
 def _gone(what: str, why: str) -> KerasCompatError:
     return KerasCompatError(
         f"tf_gpipe: Keras {keras.__version__} no longer provides {what}, which tf_gpipe uses to "
-        f"{why}. tf_gpipe is tested with Keras 3.15 (requirements.txt): install keras==3.15.1, or "
+        f"{why}. tf_gpipe is tested with Keras 3.15 (requirements.txt) and 3.16: install keras==3.15.1, or "
         "adapt this hook in tf_gpipe/keras_compat.py (tests/test_keras_compat.py checks each one)."
     )
 
@@ -70,7 +77,7 @@ def _attribute(obj: Any, name: str, why: str) -> Any:
     try:
         return getattr(obj, name)
     except AttributeError as e:
-        owner = obj.__name__ if isinstance(obj, ModuleType) else type(obj).__name__
+        owner = obj.__name__ if isinstance(obj, (ModuleType, type)) else type(obj).__name__
         raise _gone(f"{owner}.{name}", why) from e
 
 
@@ -112,18 +119,14 @@ def set_keras_mask(x: Any, mask: Any) -> None:
 
 # ------------------------------------------------------------------------------ layers
 def call_takes_mask(layer: keras.layers.Layer) -> bool:
-    """Whether keras.Sequential would pass ``mask=`` to ``layer`` (its ``call`` has the parameter).
-
-    Uses ``Layer._call_has_mask_arg``, the flag keras.Sequential itself reads.
-    """
+    """Whether keras.Sequential would pass ``mask=`` to ``layer`` (its ``call`` has the
+    parameter). Uses ``Layer._call_has_mask_arg``, the flag keras.Sequential reads."""
     return bool(_attribute(layer, "_call_has_mask_arg", _MASKS))
 
 
 def call_takes_training(layer: keras.layers.Layer) -> bool:
     """Whether keras.Sequential would pass ``training=`` to ``layer``.
-
-    Uses ``Layer._call_has_training_arg``, the flag keras.Sequential itself reads.
-    """
+    Uses ``Layer._call_has_training_arg``, the flag keras.Sequential itself reads."""
     why = "pass `training` to each layer as keras.Sequential does"
     return bool(_attribute(layer, "_call_has_training_arg", why))
 
@@ -141,6 +144,37 @@ def nested_layers(obj: Any) -> List[Any]:
     return list(flatten(include_self=True))
 
 
+# ------------------------------------------------------------------------------ subclassing keras.Model
+def overridable(base: type, name: str, why: str) -> None:
+    """Fail unless ``base`` still has the private method ``name``, which a subclass
+    overrides: were it renamed, the override would silently never run."""
+    _attribute(base, name, why)
+
+
+def first_call_argument(call_spec: Any) -> Any:
+    """The inputs ``Layer.__call__`` builds for. ``PipelineModel`` overrides ``Layer._maybe_build``,
+    run before ``call``, to build from their dtypes, not shapes. Uses ``CallSpec.first_arg``."""
+    return _attribute(call_spec, "first_arg", "build a PipelineModel from its first inputs' dtypes")
+
+
+def keep_input_dtypes(layer: keras.layers.Layer) -> None:
+    """Let inputs reach ``layer.call`` as given, as in ``keras.Sequential``: no cast to its
+    dtype policy, arrays accepted positionally. Sets ``Layer._convert_input_args`` and
+    ``Layer._allow_non_tensor_positional_args``."""
+    why = "pass inputs to the first stage in their own dtype"
+    for name, value in (("_convert_input_args", False), ("_allow_non_tensor_positional_args", True)):
+        _attribute(layer, name, why)
+        setattr(layer, name, value)
+
+
+def track_checkpoint_dependency(owner: keras.layers.Layer, layer: Any, name: str) -> None:
+    """Make ``layer`` a ``tf.train.Checkpoint`` dependency of ``owner`` named ``name``, without
+    an attribute (which would move the layer's weights in ``model.save``'s file). Uses
+    ``Trackable._track_trackable`` (Keras layers are TensorFlow trackables)."""
+    track = _attribute(owner, "_track_trackable", "save each stage's layers in a tf.train.Checkpoint")
+    track(layer, name=name, overwrite=True)
+
+
 # ------------------------------------------------------------------------------ variables
 _PLACEMENT = "create each stage's variables on its own device"
 
@@ -156,11 +190,34 @@ def backing_variable(variable: Any) -> Any:
 
 def set_backing_variable(variable: Any, value: Any) -> None:
     """Put ``value`` (a ``tf.Variable``) behind the Keras ``variable``: moves it to a device.
-
-    Uses ``Variable._value``; nothing may have captured the old backing variable yet.
-    """
+    Uses ``Variable._value``; nothing may have captured the old backing variable yet."""
     backing_variable(variable)  # the attribute must still exist: never create a stray one
     variable._value = value
+
+
+def colocate_optimizer_slots(optimizer: Any) -> None:
+    """Make ``optimizer`` (and a ``LossScaleOptimizer``'s inner one) create each slot on its
+    variable's device. Keras asks the distribution strategy to, which the default one
+    ignores in a traced step (fit's first): every slot would land on device 0. Wraps
+    ``add_variable_from_reference``, through which Keras optimizers make slots."""
+    if optimizer is None or getattr(optimizer, "_tf_gpipe_colocated", False):
+        return
+    colocate_optimizer_slots(getattr(optimizer, "inner_optimizer", None))
+    original = _attribute(
+        optimizer, "add_variable_from_reference", "create optimizer slots on each stage's device"
+    )
+
+    def add_variable_from_reference(reference_variable, *args, **kwargs):
+        raw = (
+            backing_variable(reference_variable)
+            if isinstance(reference_variable, keras.Variable)
+            else reference_variable
+        )
+        with tf.device(getattr(raw, "device", None) or None):
+            return original(reference_variable, *args, **kwargs)
+
+    optimizer.add_variable_from_reference = add_variable_from_reference
+    optimizer._tf_gpipe_colocated = True
 
 
 # ------------------------------------------------------------------------------ stateless scope
@@ -186,13 +243,29 @@ def suspend_stateless_scope() -> Iterator[None]:
 
 
 def current_stateless_scope() -> Optional[keras.StatelessScope]:
-    """The innermost active ``keras.StatelessScope``, or None.
-
-    Uses ``keras.src.backend.common.stateless_scope.get_stateless_scope`` (no public getter).
-    """
+    """The innermost active ``keras.StatelessScope``, or None. Uses
+    ``keras.src.backend.common.stateless_scope.get_stateless_scope`` (no public getter)."""
     why = "read a variable as the enclosing StatelessScope maps it"
     module = _module("keras.src.backend.common.stateless_scope", why)
     return _attribute(module, "get_stateless_scope", why)()
+
+
+_REPLAY = "replay a stage's forward exactly when re-materializing it"
+
+
+class RecordingScope(keras.StatelessScope):
+    """A ``keras.StatelessScope`` that also remembers which variables were written (a
+    Dropout's seed state, moving statistics): what a replay must restore. Overrides
+    ``StatelessScope.add_update``, which every variable write in the scope calls."""
+
+    def __init__(self, state_mapping: Any = None) -> None:
+        overridable(keras.StatelessScope, "add_update", _REPLAY)
+        super().__init__(state_mapping, collect_losses=True, initialize_variables=False)
+        self.written: Dict[int, Any] = {}
+
+    def add_update(self, update: Any) -> None:
+        self.written[id(update[0])] = update[0]
+        super().add_update(update)
 
 
 # ------------------------------------------------------------------------------ BatchNormalization
@@ -201,9 +274,7 @@ _DEFERRED = "defer BatchNormalization's moving statistics to one update per mini
 
 def batch_norm_reduction_axes(bn: keras.layers.BatchNormalization) -> List[int]:
     """The axes a built BatchNormalization layer pools its moments over.
-
-    Uses ``BatchNormalization._reduction_axes`` (set in ``build``).
-    """
+    Uses ``BatchNormalization._reduction_axes`` (set in ``build``)."""
     return list(_attribute(bn, "_reduction_axes", _DEFERRED))
 
 

@@ -184,7 +184,7 @@ class PipelineModel(keras.Model):
         self.balance = [len(g) for g in groups]
         self.stage_layers = layer_list  # tracked in order: weights ordered as keras.Sequential(layers)
         for i, layer in enumerate(layer_list):  # visible to tf.train.Checkpoint too
-            self._track_trackable(layer, name=f"layer_{i}", overwrite=True)
+            keras_compat.track_checkpoint_dependency(self, layer, f"layer_{i}")
         # Stage s runs on device s % K: with virtual stages each device holds every K-th chunk.
         self._pipeline = Pipeline(
             [Cell(s, g, resolved[s % num_stages]) for s, g in enumerate(groups)],
@@ -205,8 +205,9 @@ class PipelineModel(keras.Model):
         self.stage_jit = [False] * len(groups)
         # Like keras.Sequential: inputs reach the first layer in their own dtype (no cast
         # to this model's policy), so float64 or int inputs stay as they are.
-        self._convert_input_args = False
-        self._allow_non_tensor_positional_args = True
+        keras_compat.keep_input_dtypes(self)
+        keras_compat.overridable(keras.Model, "_maybe_build", "build from the first inputs' dtypes")
+        self._jit_compile_arg = "auto"  # compile(jit_compile=...) as given, for get_compile_config
         self._build_spec = None
         if spec is not None:
             self._build_cells(structure.spec_from(spec))
@@ -333,11 +334,12 @@ class PipelineModel(keras.Model):
         )
         self._build_cells(spec)
 
-    def _maybe_build(self, call_spec):
+    def _maybe_build(self, call_spec):  # a private Keras method: see keras_compat.first_call_argument
         # Keras would build from shapes alone; the real dtypes matter (token ids, masks).
         if not self.built:
-            microbatch.check_batched(call_spec.first_arg)
-            self._build_cells(structure.spec_from(call_spec.first_arg))
+            inputs = keras_compat.first_call_argument(call_spec)
+            microbatch.check_batched(inputs)
+            self._build_cells(structure.spec_from(inputs))
         return super()._maybe_build(call_spec)
 
     def get_build_config(self) -> dict:
@@ -375,11 +377,11 @@ class PipelineModel(keras.Model):
         if jit_compile not in ("auto", True, False):
             raise ValueError(f"tf_gpipe: jit_compile must be 'auto', True or False, got {jit_compile!r}.")
         super().compile(*args, jit_compile=False, **kwargs)
-        self._compile_config.config["jit_compile"] = jit_compile
+        self._jit_compile_arg = jit_compile
         from tf_gpipe.stage import choose_jit
 
         self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
-        trainer.colocate_slots(self.optimizer)
+        keras_compat.colocate_optimizer_slots(self.optimizer)
         self._build_training_state()
 
     def _build_training_state(self) -> None:
@@ -397,6 +399,12 @@ class PipelineModel(keras.Model):
 
             for cell in self._pipeline.cells:
                 stage.functions(cell).sums(cell.trainable_variables)
+
+    def get_compile_config(self) -> dict:
+        config = super().get_compile_config()
+        if config:  # compiled: the jit_compile given, not the False Keras was given
+            config["jit_compile"] = self._jit_compile_arg
+        return config
 
     def compile_from_config(self, config: dict) -> None:
         """Re-compile a loaded model (``keras.models.load_model``) as it was saved."""

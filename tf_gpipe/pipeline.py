@@ -6,7 +6,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tf_gpipe import checkpoint
+from tf_gpipe import remat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -58,16 +58,16 @@ class Pipeline:
         losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
         deferred = self.deferred_stats(training)
         sides = list(sides) if sides is not None else [None] * M
-        for tick in clock_cycles(M, S):
+        for tick in clock_cycles(S, M):
             for m, s in tick:
                 cell = self.cells[s]
                 with tf.name_scope(f"stage{s}_mb{m}"):
                     if training and self.rematerializes(s):
-                        acts[m], masks[m], extra = checkpoint.checkpointed(
+                        acts[m], masks[m], extra = remat.rematerialized(
                             cell, acts[m], masks[m], training, split.nonempty(m), deferred, side=sides[m]
                         )
                     else:
-                        rec = checkpoint.forward(
+                        rec = remat.forward(
                             cell,
                             acts[m],
                             masks[m],

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from tf_gpipe import checkpoint, keras_compat
+from tf_gpipe import keras_compat, remat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, _attach_mask
 
@@ -197,7 +197,7 @@ class StageFunctions:
 
     def _add_body(self, grads, nonempty):
         self.traces["sum"] += 1
-        return self._add_grads([checkpoint._mask_grad(g, nonempty) for g in grads])
+        return self._add_grads([remat._mask_grad(g, nonempty) for g in grads])
 
     def _add_grads(self, grads: List[Any]) -> Tuple[tf.Tensor, List[Any]]:
         """Add the dense gradients to their sums. Returns ``(token, sparse)``: the token is
@@ -260,11 +260,11 @@ class StageFunctions:
         # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"):
             capture = local.capture(bns, nonempty) if bns else contextlib.nullcontext()
-            with checkpoint._RecordingScope() as scope, capture:
+            with keras_compat.RecordingScope() as scope, capture:
                 outputs, out_mask = cell.call(inputs, mask, training, side)
             skipped = local.skipped_variables(bns) if bns else set()
             written = [v for k, v in scope.written.items() if k not in skipped]
-            before = [checkpoint._read(v) for v in written]
+            before = [remat._read(v) for v in written]
             for v, old in zip(written, before):
                 new = scope.get_current_value(v)
                 if nonempty is not None:  # an empty micro-batch (e.g. NaN batch statistics) changes nothing
@@ -354,7 +354,7 @@ class StageFunctions:
         cell = self.cell
         written = self._written[(training, defer)]
         flat_in = tf.nest.flatten(inputs)
-        float_pos = checkpoint.float_positions(flat_in)
+        float_pos = remat.float_positions(flat_in)
         arrived = [g for g in list(output_grads) + list(loss_grads) if g is not None]
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_replay"):
             # The recomputation waits for the incoming gradient: run earlier, it would
@@ -366,7 +366,7 @@ class StageFunctions:
             swapped = list(flat_in)
             for i, t in zip(float_pos, replay_in):
                 swapped[i] = t
-            record = checkpoint.Record(
+            record = remat.Record(
                 inputs=tf.nest.pack_sequence_as(inputs, swapped),
                 mask=mask,
                 outputs=None,
@@ -377,7 +377,7 @@ class StageFunctions:
             )
             with tf.GradientTape() as tape:
                 tape.watch(replay_in)
-                outputs, losses = checkpoint._replay(cell, record, training)
+                outputs, losses = remat._replay(cell, record, training)
             if marker is not None:
                 recorder, device = marker
                 done = [t for t in tf.nest.flatten(outputs) + list(losses) if t is not None]
@@ -385,7 +385,7 @@ class StageFunctions:
                 with tf.control_dependencies([mark]):
                     output_grads = [None if g is None else tf.identity(g) for g in output_grads]
                     loss_grads = [None if g is None else tf.identity(g) for g in loss_grads]
-            in_grads, var_grads = checkpoint.tape_gradients(
+            in_grads, var_grads = remat.tape_gradients(
                 tape,
                 list(tf.nest.flatten(outputs)) + list(losses),
                 list(output_grads) + list(loss_grads),

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat, microbatch, schedules, structure
 from tf_gpipe.executor import accumulate, run_schedule
 
-__all__ = ["Gradients", "colocate_slots", "gradients", "shares", "train_step"]
+__all__ = ["Gradients", "gradients", "shares", "train_step"]
 
 
 def shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
@@ -23,26 +23,6 @@ def shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
     """
     total = tf.cast(batch_size, tf.float32)
     return [tf.math.divide_no_nan(tf.cast(n, tf.float32), total) for n in sizes]
-
-
-def colocate_slots(optimizer: Any) -> None:
-    """Make the optimizer create each slot (momentum, velocity...) on its variable's device.
-
-    Keras asks the distribution strategy to colocate slots, which the default
-    strategy ignores in eager mode: every stage's slots would land on device 0.
-    """
-    if optimizer is None or getattr(optimizer, "_tf_gpipe_colocated", False):
-        return
-    colocate_slots(getattr(optimizer, "inner_optimizer", None))
-    original = optimizer.add_variable_from_reference
-
-    def add_variable_from_reference(reference_variable, *args, **kwargs):
-        raw = getattr(reference_variable, "_value", reference_variable)
-        with tf.device(getattr(raw, "device", None) or None):
-            return original(reference_variable, *args, **kwargs)
-
-    optimizer.add_variable_from_reference = add_variable_from_reference
-    optimizer._tf_gpipe_colocated = True
 
 
 class Gradients(NamedTuple):

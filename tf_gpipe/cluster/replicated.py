@@ -93,7 +93,7 @@ class ReplicatedPipeline(keras.Model):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         kwargs["jit_compile"] = False  # XLA would ignore the stage placement
         super().compile(*args, **kwargs)
-        trainer.colocate_slots(self.optimizer)  # each slot on its variable's (replica's) device
+        keras_compat.colocate_optimizer_slots(self.optimizer)  # slots on their replica's devices
         if self.built:
             self._build_gradient_sums()
 

@@ -189,13 +189,13 @@ def interleaved(num_devices: int, num_micro_batches: int, virtual_stages: int) -
     return _build("interleaved", K, M, v, orders)
 
 
-def clock_cycles(num_micro_batches: int, num_stages: int) -> list[list[tuple[int, int]]]:
+def clock_cycles(num_devices: int, num_micro_batches: int) -> list[list[tuple[int, int]]]:
     """Forward tasks ``(micro_batch, stage)`` grouped by clock tick, fill then drain.
 
     At tick ``t`` stage ``k`` works on micro-batch ``t - k``; so while stage 1
     runs micro-batch 0, stage 0 already runs micro-batch 1::
 
-        # t  (m,k) (m,k) (m,k)          M=3, K=3
+        # t  (m,k) (m,k) (m,k)          K=3, M=3
         # 0  (0,0)
         # 1  (1,0) (0,1)
         # 2  (2,0) (1,1) (0,2)
@@ -204,13 +204,13 @@ def clock_cycles(num_micro_batches: int, num_stages: int) -> list[list[tuple[int
 
     The backward pass runs the same ticks in reverse order.
     """
-    M, K = num_micro_batches, num_stages
+    K, M = num_devices, num_micro_batches
     return [[(t - k, k) for k in range(max(0, t - M + 1), min(t, K - 1) + 1)] for t in range(M + K - 1)]
 
 
-def bubble_fraction(num_micro_batches: int, num_stages: int) -> float:
+def bubble_fraction(num_devices: int, num_micro_batches: int) -> float:
     """Idle share of each device under fill-drain: (K-1)/(M+K-1)."""
-    M, K = num_micro_batches, num_stages
+    K, M = num_devices, num_micro_batches
     return (K - 1) / (M + K - 1)
 
 

@@ -30,7 +30,7 @@ class Action:
     """
 
     kind: str  # "F", "B", or "W" (only with split_backward)
-    stage: int  # 0..num_stages-1 (virtual stages when interleaved)
+    stage: int  # 0..num_virtual_stages-1
     micro_batch: int
 
     def __str__(self) -> str:
@@ -86,8 +86,9 @@ class Schedule:
         return "FBW" if self.split_backward else "FB"
 
     @property
-    def num_stages(self) -> int:
-        """Number of (virtual) stages: ``num_devices * virtual_stages``."""
+    def num_virtual_stages(self) -> int:
+        """Number of stages over all devices: ``num_devices * virtual_stages`` (a
+        ``PipelineModel``'s ``num_stages`` is ``num_devices``)."""
         return self.num_devices * self.virtual_stages
 
     def device_of(self, stage: int) -> int:
@@ -112,12 +113,12 @@ class Schedule:
         if action.kind == "W":
             return [Action("B", s, m)]
         deps = [Action("F", s, m)]
-        if s < self.num_stages - 1:
+        if s < self.num_virtual_stages - 1:
             deps.append(Action("B", s + 1, m))
         return deps
 
     def _expected(self) -> list[Action]:
-        S, M = self.num_stages, self.num_micro_batches
+        S, M = self.num_virtual_stages, self.num_micro_batches
         return [Action(kind, s, m) for kind in self.kinds for s in range(S) for m in range(M)]
 
     def _run(self) -> tuple[list[Action], dict[int, Action]]:
@@ -174,7 +175,7 @@ class Schedule:
                     )
                     raise ValueError(
                         f"schedule {self.name!r}: device {d} has unknown action {a!r} "
-                        f"(kind must be {kinds}, stage < {self.num_stages}, "
+                        f"(kind must be {kinds}, stage < {self.num_virtual_stages}, "
                         f"micro-batch < {self.num_micro_batches}{hint})"
                     )
                 if a in seen:
@@ -221,11 +222,12 @@ class Schedule:
     def _costs(self, cost: Cost, what: str) -> list[float]:
         # The costs stay as given (ints stay ints): errors then quote the user's numbers.
         if isinstance(cost, numbers.Real):
-            return [cost] * self.num_stages  # type: ignore[list-item]
+            return [cost] * self.num_virtual_stages  # type: ignore[list-item]
         costs = list(cost)  # type: ignore[arg-type]
-        if len(costs) != self.num_stages:
+        if len(costs) != self.num_virtual_stages:
             raise ValueError(
-                f"{what} has {len(costs)} entries, expected one per stage (num_stages={self.num_stages})"
+                f"{what} has {len(costs)} entries, expected one per stage "
+                f"(num_virtual_stages={self.num_virtual_stages})"
             )
         return costs
 

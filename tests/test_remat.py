@@ -9,7 +9,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, loss_and_grads, pair
 
 import tf_gpipe
-from tf_gpipe import checkpoint
+from tf_gpipe import remat
 
 
 def dropout_bn_layers(seed=11):
@@ -54,13 +54,13 @@ def test_naive_recompute_would_be_wrong(monkeypatch):
     does) draws new dropout masks, so the gradients differ. The test above can fail."""
     x, y = data(12)
     _, _, g_ok, _ = _grads_for("always", x, y, False)
-    real_replay = checkpoint._replay
+    real_replay = remat._replay
 
     def naive(cell, record, training):
         record.replay_state = []
         return real_replay(cell, record, training)
 
-    monkeypatch.setattr(checkpoint, "_replay", naive)
+    monkeypatch.setattr(remat, "_replay", naive)
     _, _, g_naive, _ = _grads_for("always", x, y, False)
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(g_ok, g_naive)]
     assert max(diffs) > 1e-3
@@ -142,3 +142,24 @@ def test_empty_micro_batches_leave_statistics_finite():
     x, y = data(10)
     pm.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)  # last batch: 3 < 8
     assert all(np.all(np.isfinite(w)) for w in pm.get_weights())
+
+
+def test_read_is_the_stored_value_as_the_enclosing_scope_maps_it():
+    """What a replay restores: the mapped value inside a StatelessScope, and never the
+    autocast one (inside a mixed-precision layer's call ``variable.value`` is float16)."""
+    v = keras.Variable(np.zeros(3, "float32"))
+    with keras.StatelessScope(state_mapping=[(v, tf.ones(3))]):
+        assert np.array_equal(remat._read(v).numpy(), np.ones(3))
+    assert np.array_equal(remat._read(v).numpy(), np.zeros(3))
+
+    class Reads(keras.layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(2,), initializer="ones")
+
+        def call(self, x):
+            self.seen = (self.w.value.dtype, remat._read(self.w).dtype)
+            return x
+
+    layer = Reads(dtype="mixed_float16")
+    layer(tf.ones((1, 2)))
+    assert layer.seen == (tf.float16, tf.float32)

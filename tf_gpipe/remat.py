@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from keras import StatelessScope
 
+from tf_gpipe import keras_compat
 from tf_gpipe.cell import Cell
-from tf_gpipe.keras_compat import current_stateless_scope
 
-__all__ = ["Record", "backward", "checkpointed", "forward", "is_recomputing"]
+__all__ = ["Record", "backward", "forward", "is_recomputing", "rematerialized"]
 
 _local = threading.local()
 
@@ -50,27 +49,18 @@ def _recomputing() -> Iterator[None]:
         _local.depth -= 1
 
 
-class _RecordingScope(StatelessScope):
-    """A StatelessScope that also remembers which variables were written."""
-
-    def __init__(self, state_mapping=None):
-        super().__init__(state_mapping, collect_losses=True, initialize_variables=False)
-        self.written: dict = {}
-
-    def add_update(self, update):
-        self.written[id(update[0])] = update[0]
-        super().add_update(update)
-
-
 def _read(variable) -> tf.Tensor:
-    """The variable's value as stored (no autocast), honouring an enclosing StatelessScope."""
-    scope = current_stateless_scope()
+    """The variable's value as stored, honouring an enclosing StatelessScope.
+
+    Not ``variable.value``, which is cast inside an ``AutocastScope`` (mixed precision):
+    the replay must restore the stored value.
+    """
+    scope = keras_compat.current_stateless_scope()
     if scope is not None:
         value = scope.get_current_value(variable)
         if value is not None:
             return value
-    raw = getattr(variable, "_value", variable)
-    return tf.identity(raw)
+    return tf.identity(keras_compat.backing_variable(variable))
 
 
 @dataclass
@@ -147,7 +137,7 @@ def _float_tensors(structure: Any) -> List[tf.Tensor]:
 
 
 def _replay(cell: Cell, record: Record, training: Optional[bool]) -> Tuple[Any, List[tf.Tensor]]:
-    with _recomputing(), _RecordingScope(record.replay_state) as scope:
+    with _recomputing(), keras_compat.RecordingScope(record.replay_state) as scope:
         outputs, _ = cell.call(record.inputs, record.mask, training, record.side)
     return outputs, list(scope.losses)
 
@@ -207,7 +197,7 @@ def backward(
         by_id = {}
         for v, g in zip(cell.trainable_variables, cell_grads):
             by_id[id(v)] = g
-            by_id[id(getattr(v, "_value", v))] = g
+            by_id[id(keras_compat.backing_variable(v))] = g  # `variables` may hold either
         return in_grads, [by_id.get(id(v)) for v in variables]
     flat_in = tf.nest.flatten(record.inputs)
     float_pos = float_positions(flat_in)
@@ -269,7 +259,7 @@ def tape_gradients(
     return input_grads, [_mask_grad(g, nonempty) for g in result[n_in:]]
 
 
-def checkpointed(
+def rematerialized(
     cell: Cell,
     inputs: Any,
     mask: Any,
