@@ -1,5 +1,7 @@
 """Every schedule trains exactly like the unsplit model."""
 
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
-from tf_gpipe import stage, trainer
+from tf_gpipe import schedules, stage, trainer
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -199,3 +201,51 @@ def test_layer_losses_in_custom_training_loop():
         results.append((loss, tape.gradient(loss, model.trainable_weights)))
     assert_all_close([results[0][0]], [results[1][0]])
     assert_all_close(results[0][1], results[1][1])
+
+
+class _Probe:
+    """A stand-in for the timeline recorder: one op per marker, to read the step's graph."""
+
+    def __init__(self):
+        self.ops = {}
+
+    def marker(self, label, device, deps):
+        with tf.control_dependencies([t for t in deps if t is not None]):
+            token = tf.identity(tf.zeros(()))
+        if isinstance(label, str):  # not the replay markers inside the stage functions
+            self.ops[label] = token.op
+        return token
+
+
+def _ancestors(op):
+    """Every op ``op`` waits for, through data and control inputs."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_zb_h1_chains_each_action_after_the_previous_one_on_its_device(remat):
+    """In the step's graph each action (F, B or W) starts only once the action before it on
+    its device has ended: W's are in the chain like the others, and each after its B. (The
+    graph is read, not timed: tf.function's automatic control dependencies would also order
+    the calls of one stage, which hides a missing link from any run.)"""
+    K, M = 4, 6
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=5), num_stages=K, num_micro_batches=M, remat=remat, schedule="zb-h1"
+    )
+    pm.build((None, 8))
+    _compile(pm)
+    probe = pm._tracer = _Probe()
+    x, y = data(10)
+    step = tf.function(lambda a, b: trainer.gradients(pm, (a, b)).loss)
+    step.get_concrete_function(tf.constant(x), tf.constant(y))
+    plan = schedules.get("zb-h1", K, M)
+    for order in plan.orders:
+        for a, b in itertools.pairwise(order):
+            assert probe.ops[f"end {a!r}"] in _ancestors(probe.ops[f"start {b!r}"]), (a, b)

@@ -205,3 +205,12 @@ def test_setup_devices(cpu_devices):
     # ... asking for more once TensorFlow is running says what to do.
     with pytest.raises(RuntimeError, match="before any TensorFlow op"):
         pipeline_flags.setup_devices(_parse(["--virtual_cpus=8"]))
+
+
+def test_every_schedule_is_a_flag_value():
+    from tf_gpipe import schedules
+
+    for name in schedules.SCHEDULES:
+        args = [f"--schedule={name}", "--num_stages=2", "--num_micro_batches=4"]
+        assert _parse(args).schedule == name
+    assert "zb-h1" in _error(["--schedule=zb"])
