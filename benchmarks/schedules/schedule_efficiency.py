@@ -69,25 +69,27 @@ flags.DEFINE_bool("child", False, "Internal: run every configuration of one K, p
 flags.DEFINE_integer("k", 4, "Internal (child): K.")
 
 
-def _costs(schedule, f: float, b: float, w: float, remat: str):
+def _costs(schedule, f: float, b: float, w: float, remat: str, split_layer: bool):
     """``simulate`` arguments: per-stage forward, full-backward and W costs of what the executor runs.
 
     A re-materialized backward replays the forward first; a split schedule replays it in
-    B and again in W. Stage 0's split B computes nothing (its input needs no gradient).
+    B and again in W. With ``SplitSerialWork`` stage 0's input-gradient half never runs
+    (its input needs no gradient: TensorFlow prunes it, whatever the schedule).
     """
     v, S = schedule.virtual_stages, schedule.num_stages
     replay = f / v if remat == "always" else 0.0
-    if not schedule.split_backward:
-        # SplitSerialWork's full backward runs both halves: b in all, as SerialWork's.
+    if not split_layer:
         return f / v, replay + b / v, None
+    if not schedule.split_backward:
+        return f / v, [replay + w / v] + [replay + b / v] * (S - 1), None
     weight = replay + w
     backward = [weight] + [replay + (b - w) + weight] * (S - 1)
     return f, backward, [weight] * S
 
 
-def _theory(schedule, f: float, b: float, remat: str, w: float = 0.0):
+def _theory(schedule, f: float, b: float, remat: str, w: float = 0.0, split_layer: bool = False):
     """(makespan, bubble, n_crit, busy per device) of the simulated schedule with per-action costs."""
-    fwd, bwd, wgt = _costs(schedule, f, b, w, remat)
+    fwd, bwd, wgt = _costs(schedule, f, b, w, remat, split_layer)
     timeline = schedule.simulate(fwd, bwd, weight_cost=wgt)
     eps = 1e-3
     bumped = [c + eps for c in bwd] if isinstance(bwd, list) else bwd + eps
@@ -157,7 +159,8 @@ def child() -> None:
             model.train_on_batch(x, y)  # returns numpy logs: synchronizes
             times.append((time.perf_counter() - t0) * 1e3)
         plan = tf_gpipe.schedules.get(name, K, M, v)
-        theory, bubble, n_crit, busy = _theory(plan, f, b, remat, w)
+        S = plan.num_stages
+        theory, bubble, n_crit, busy = _theory(plan, f, b, remat, w, split_layer)
         measured = statistics.median(times)
         recorded = {}
         if FLAGS.record:
@@ -177,7 +180,7 @@ def child() -> None:
                 work_ratio=sum(logged) / sum(busy) if sum(busy) else float("nan"),
                 # Input- and weight-gradient host calls: a half that ran the other's work shows here.
                 calls=[calls["B"], calls["W"]],
-                expected_calls=[(K - 1) * M if plan.split_backward else K * M, K * M if split_layer else 0],
+                expected_calls=[(S - 1) * M, S * M] if split_layer else [S * M, 0],
                 stashes=[live.get(dev, 0) for dev in range(K)],
                 peak_in_flight=plan.peak_in_flight(),
             )
