@@ -5,6 +5,13 @@ order consistent with the schedule, and each device's actions are chained with
 control dependencies so the device runs them in the schedule's order: that is
 what bounds the stashed activations of 1F1B to K per device, where plain
 dataflow would run every forward as early as it could.
+
+A split schedule (zb-h1) runs each backward as two actions, each its own stage-function
+call: ``B`` differentiates w.r.t. the stage input only (what the previous stage waits
+for) and keeps the forward's record and the gradient it received; the later ``W``
+differentiates w.r.t. the weights only and adds them to the gradient sums. A
+re-materialized stage replays its forward in both (twice the recomputation of a full
+backward: simple and exact, not free); a stage on a tape keeps it, persistent, until W.
 """
 
 from __future__ import annotations
