@@ -57,7 +57,10 @@ def _one_step(model, x, y, batch_size):
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
 
 
-@pytest.mark.parametrize("schedule,remat", [("gpipe", "always"), ("1f1b", "never"), ("gpipe", "except_last")])
+@pytest.mark.parametrize(
+    "schedule,remat",
+    [("gpipe", "always"), ("1f1b", "never"), ("gpipe", "except_last"), ("zb-h1", "except_last")],
+)
 def test_deferred_statistics_equal_the_unsplit_model(schedule, remat):
     """With the same weights and inputs, one step moves the statistics exactly as the
     unsplit model's full-batch step does (here the BatchNormalization is nested)."""

@@ -1,5 +1,7 @@
 """Every schedule trains exactly like the unsplit model."""
 
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -7,12 +9,17 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
+from tf_gpipe import schedules, stage, trainer
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 SCHEDULE_CASES = [
     # schedule, K, M, v, remat, batch_size (24 examples: uneven last batches)
     ("1f1b", 2, 4, 1, "always", 10),
     ("1f1b", 4, 8, 1, "except_last", 7),  # last batch of 3 < M: empty micro-batches
     ("1f1b", 3, 3, 1, "never", 9),
+    ("zb-h1", 4, 8, 1, "except_last", 7),
+    ("zb-h1", 3, 3, 1, "never", 9),
     ("interleaved", 2, 4, 2, "always", 10),
     ("interleaved", 3, 3, 2, "never", 8),
     ("interleaved", 2, 2, 3, "always", 5),
@@ -56,7 +63,7 @@ def test_every_schedule_fits_like_unsplit(schedule, K, M, v, remat, batch_size):
     assert int(pm.optimizer.iterations) == int(seq.optimizer.iterations)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_layer_losses_and_regularizers_counted_once(schedule):
     def make():
         keras.utils.set_random_seed(8)
@@ -86,8 +93,9 @@ def test_1f1b_with_sum_reduction():
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
 
 
-def test_1f1b_refuses_a_loss_it_cannot_split():
-    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=2, schedule="1f1b")
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_per_micro_batch_schedules_refuse_a_loss_they_cannot_split(schedule):
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=2, schedule=schedule)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
     _compile(pm, loss=loss)
     x, y = data(8)
@@ -95,7 +103,11 @@ def test_1f1b_refuses_a_loss_it_cannot_split():
         pm.fit(x, y, sample_weight=np.ones(8), batch_size=8, epochs=1, verbose=0)
 
 
-def test_dropout_and_batchnorm_replayed_under_1f1b():
+def test_dropout_and_batchnorm_replayed_under_1f1b_and_zb_h1():
+    """The replay of each half of zb-h1's split backward reads the state the forward read
+    (dropout seeds, BatchNormalization statistics): re-materialized training equals
+    training on a tape, and both equal 1F1B's, whose forwards run in the same order."""
+
     def make():
         keras.utils.set_random_seed(21)
         return [
@@ -108,13 +120,53 @@ def test_dropout_and_batchnorm_replayed_under_1f1b():
 
     x, y = data(20)
     weights = []
-    for remat in ("never", "always"):
-        keras.backend.clear_session()
-        pm = tf_gpipe.PipelineModel(make(), num_stages=4, num_micro_batches=4, remat=remat, schedule="1f1b")
-        _compile(pm)
-        pm.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
-        weights.append(pm.get_weights())
-    assert_all_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
+    for schedule in ("1f1b", "zb-h1"):
+        for remat in ("never", "always"):
+            keras.backend.clear_session()
+            pm = tf_gpipe.PipelineModel(
+                make(), num_stages=4, num_micro_batches=4, remat=remat, schedule=schedule
+            )
+            _compile(pm)
+            pm.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+            weights.append(pm.get_weights())  # BatchNormalization's moving statistics too
+    for other in weights[1:]:
+        assert_all_close(weights[0], other, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat,M", [("always", 4), ("never", 4), ("always", 1)])
+def test_zb_h1_step_matches_sequential(remat, M):
+    """One zb-h1 step, K=4 (devices 1..3 run lagging W's), 10 examples in micro-batches of
+    3, 3, 2, 2: outputs, loss and gradients, then the weights after the update, equal
+    keras.Sequential's. With M=1 the gradients are returned, not summed."""
+    seq, pm = pair(
+        lambda: mlp_layers(depth=5),
+        (None, 8),
+        num_stages=4,
+        num_micro_batches=M,
+        remat=remat,
+        schedule="zb-h1",
+    )
+    x, y = data(10)
+    for model in (seq, pm):
+        _compile(model)
+    with tf.GradientTape() as tape:
+        out = seq(x, training=True)
+        loss = LOSS(y, out)
+    want = tape.gradient(loss, seq.trainable_variables)
+    step = tf.function(lambda a, b: trainer.gradients(pm, (a, b)))(tf.constant(x), tf.constant(y))
+    assert_all_close([step.y_pred, step.loss], [out, loss], rtol=1e-5, atol=1e-6)
+    assert all(g is not None for g in step.grads)
+    assert_all_close(step.grads, want, rtol=1e-5, atol=1e-6)
+    for model in (seq, pm):
+        model.train_on_batch(x, y)
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+    # B and W are separate stage-function calls: B computes input gradients only, W weight
+    # gradients only (stage 0's B computes nothing), never one full backward.
+    halves = [stage.functions(cell).backward_halves for cell in pm.cells]
+    if remat == "always":
+        assert halves == [{(False, True)}] + [{(True, False), (False, True)}] * 3
+    else:
+        assert halves == [set()] * 4  # differentiated on the (persistent) tape
 
 
 def test_schedule_arguments_are_checked_up_front():
@@ -149,3 +201,51 @@ def test_layer_losses_in_custom_training_loop():
         results.append((loss, tape.gradient(loss, model.trainable_weights)))
     assert_all_close([results[0][0]], [results[1][0]])
     assert_all_close(results[0][1], results[1][1])
+
+
+class _Probe:
+    """A stand-in for the timeline recorder: one op per marker, to read the step's graph."""
+
+    def __init__(self):
+        self.ops = {}
+
+    def marker(self, label, device, deps):
+        with tf.control_dependencies([t for t in deps if t is not None]):
+            token = tf.identity(tf.zeros(()))
+        if isinstance(label, str):  # not the replay markers inside the stage functions
+            self.ops[label] = token.op
+        return token
+
+
+def _ancestors(op):
+    """Every op ``op`` waits for, through data and control inputs."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_zb_h1_chains_each_action_after_the_previous_one_on_its_device(remat):
+    """In the step's graph each action (F, B or W) starts only once the action before it on
+    its device has ended: W's are in the chain like the others, and each after its B. (The
+    graph is read, not timed: tf.function's automatic control dependencies would also order
+    the calls of one stage, which hides a missing link from any run.)"""
+    K, M = 4, 6
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=5), num_stages=K, num_micro_batches=M, remat=remat, schedule="zb-h1"
+    )
+    pm.build((None, 8))
+    _compile(pm)
+    probe = pm._tracer = _Probe()
+    x, y = data(10)
+    step = tf.function(lambda a, b: trainer.gradients(pm, (a, b)).loss)
+    step.get_concrete_function(tf.constant(x), tf.constant(y))
+    plan = schedules.get("zb-h1", K, M)
+    for order in plan.orders:
+        for a, b in itertools.pairwise(order):
+            assert probe.ops[f"end {a!r}"] in _ancestors(probe.ops[f"start {b!r}"]), (a, b)

@@ -227,3 +227,12 @@ def test_plan_memory_budget_is_off_by_default_and_names_a_bad_unit():
     assert fv.plan_memory_budget is None
     with pytest.raises(flags.IllegalFlagValueError, match="512MiB or 2GiB"):
         fv(["prog", "--plan_memory_budget=2 parsecs"])
+
+
+def test_every_schedule_is_a_flag_value():
+    from tf_gpipe import schedules
+
+    for name in schedules.SCHEDULES:
+        args = [f"--schedule={name}", "--num_stages=2", "--num_micro_batches=4"]
+        assert _parse(args).schedule == name
+    assert "zb-h1" in _error(["--schedule=zb"])

@@ -54,7 +54,7 @@ def _inputs(n=10):
     }
 
 
-@pytest.mark.parametrize("schedule,remat", [("gpipe", "always"), ("1f1b", "never")])
+@pytest.mark.parametrize("schedule,remat", [("gpipe", "always"), ("1f1b", "never"), ("zb-h1", "always")])
 def test_side_inputs_match_manual_wiring(schedule, remat):
     data = _inputs()
     y = np.arange(10) % 3

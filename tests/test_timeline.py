@@ -78,7 +78,7 @@ def test_gpipe_spans_follow_schedule_order(remat):
             assert a.end <= b.start + 1e-6
 
 
-@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1"])
 def test_live_stashes(name):
     M = 8
     spans = _record_fit(_model(name, M), n=M)[-1]
@@ -87,9 +87,34 @@ def test_live_stashes(name):
     if name == "1f1b":
         assert live == {d: K - d for d in range(K)}
         assert max(live.values()) <= K
+    elif name == "zb-h1":  # a stash lives until its W: K on every device, never more
+        assert live == {d: K for d in range(K)}
     else:
         assert live == {d: M for d in range(K)}
     assert [live[d] for d in range(K)] == plan.peak_in_flight()
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_zb_h1_runs_b_and_w_apart_in_schedule_order(remat):
+    """Each device runs F, B and W as separate actions, one at a time, in its zb-h1 order.
+    Re-materialized, B and W each replay the stage (an R span before each), except stage
+    0's B, which computes nothing: stage 0's input needs no gradient."""
+    M = 8
+    spans = _record_fit(_model("zb-h1", M, remat=remat), n=M)[-1]
+    plan = schedules.get("zb-h1", K, M)
+    expected = {}
+    for d, order in enumerate(plan.orders):
+        row = []
+        for a in order:
+            if remat == "always" and (a.kind == "W" or (a.kind == "B" and a.stage > 0)):
+                row.append(("R", a.stage, a.micro_batch))
+            row.append((a.kind, a.stage, a.micro_batch))
+        expected[d] = row
+    assert _by_device(spans) == expected
+    for d in range(K):
+        mine = sorted((s for s in spans if s.device == d), key=lambda s: s.start)
+        for a, b in itertools.pairwise(mine):
+            assert a.end <= b.start + 1e-6, (a, b)
 
 
 def test_spans_of_1f1b_follow_schedule_order():

@@ -205,15 +205,3 @@ def test_live_stashes_release_at_w_when_split():
     # Without W spans the backward frees the stash, as before.
     full = [s for s in split if s.kind != "W"]
     assert timeline.live_stashes(full) == {0: 2}
-
-
-def test_pipeline_model_refuses_split_backward_schedules_clearly():
-    """The executor does not run B and W separately yet: say so when the model is made,
-    not with an error from deep inside the first training step."""
-    import keras
-
-    import tf_gpipe
-
-    layers = [keras.layers.Dense(4) for _ in range(4)]
-    with pytest.raises(ValueError, match=r"zb-h1.*cannot run split backwards yet.*1f1b"):
-        tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=4, schedule="zb-h1")

@@ -5,6 +5,13 @@ order consistent with the schedule, and each device's actions are chained with
 control dependencies so the device runs them in the schedule's order: that is
 what bounds the stashed activations of 1F1B to K per device, where plain
 dataflow would run every forward as early as it could.
+
+A split schedule (zb-h1) runs each backward as two actions, each its own stage-function
+call: ``B`` differentiates w.r.t. the stage input only (what the previous stage waits
+for) and keeps the forward's record and the gradient it received; the later ``W``
+differentiates w.r.t. the weights only and adds them to the gradient sums. A
+re-materialized stage replays its forward in both (twice the recomputation of a full
+backward: simple and exact, not free); a stage on a tape keeps it, persistent, until W.
 """
 
 from __future__ import annotations
@@ -76,6 +83,23 @@ def _done(*structures: Any) -> List[tf.Tensor]:
     return out
 
 
+def _whole_batch_grads(schedule: Any, batch_loss: Optional[BatchLossFn], outputs, out_masks):
+    """The last stage's output gradients of every micro-batch, from the whole mini-batch's loss."""
+    if batch_loss is None:
+        raise ValueError(
+            f"tf_gpipe: schedule {schedule.name!r} runs a backward before every "
+            "forward is done; it needs a per-micro-batch loss."
+        )
+    if any(o is None for o in outputs):
+        raise ValueError(
+            f"tf_gpipe: schedule {schedule.name!r} starts a backward before every "
+            "forward is done, so the whole mini-batch loss is not ready; use "
+            "schedule='gpipe' for this loss."
+        )
+    last = schedule.num_stages - 1
+    return {(last, m): g for m, g in enumerate(batch_loss(outputs, out_masks))}
+
+
 def run_schedule(
     schedule: Any,
     cells: Sequence[Cell],
@@ -123,6 +147,10 @@ def run_schedule(
     summed: Dict[int, tf.Tensor] = {}  # stage -> token of its latest addition to its gradient sums
     last: Dict[int, List[tf.Tensor]] = {}  # device -> what its previous action produced
     cell_losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
+    # Split schedules: (record, output gradients, loss gradients) from each B, kept for its W.
+    halves = bool(getattr(schedule, "split_backward", False))
+    weights_due: Dict[Tuple[int, int], Tuple[remat.Record, Any, List[Any]]] = {}
+    names = {"B": "backward", "W": "weight_grads"}
 
     def mark(label: str, device: int, deps: List[tf.Tensor]) -> List[tf.Tensor]:
         if tracer is None:
@@ -149,6 +177,7 @@ def run_schedule(
                     nonempty=split.nonempty(m),
                     deferred=deferred,
                     side=None if sides is None else sides[m],
+                    persistent=halves,
                 )
             records[(s, m)] = rec
             cell_losses[m].extend(rec.losses)
@@ -159,58 +188,59 @@ def run_schedule(
                 if micro_loss is not None:
                     with tf.device(cell.device), tf.name_scope(f"loss_mb{m}"):
                         grads_in[(s, m)] = micro_loss(m, rec.outputs, rec.out_mask)
-        else:
-            if (s, m) not in grads_in:
-                if batch_loss is None:
-                    raise ValueError(
-                        f"tf_gpipe: schedule {schedule.name!r} runs a backward before every "
-                        "forward is done; it needs a per-micro-batch loss."
-                    )
-                if any(o is None for o in outputs):
-                    raise ValueError(
-                        f"tf_gpipe: schedule {schedule.name!r} starts a backward before every "
-                        "forward is done, so the whole mini-batch loss is not ready; use "
-                        "schedule='gpipe' for this loss."
-                    )
-                for mm, g in enumerate(batch_loss(outputs, out_masks)):
-                    grads_in[(S - 1, mm)] = g
-            rec = records.pop((s, m))
-            variables = cell.trainable_variables
-            loss_grads = []
-            if rec.losses:
-                if cell_loss_grads is None:
-                    raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
-                loss_grads = [cell_loss_grads[m]] * len(rec.losses)
+        else:  # "B" (the full backward, or its input half when split) or "W"
+            if action.kind == "B":
+                if (s, m) not in grads_in:
+                    grads_in.update(_whole_batch_grads(schedule, batch_loss, outputs, out_masks))
+                rec = records.pop((s, m))
+                dy = grads_in.pop((s, m))
+                loss_grads = []
+                if rec.losses:
+                    if cell_loss_grads is None:
+                        raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
+                    loss_grads = [cell_loss_grads[m]] * len(rec.losses)
+            else:  # W: what its B received, kept until now
+                rec, dy, loss_grads = weights_due.pop((s, m))
+            input_half = action.kind == "B"
+            weight_half = action.kind == "W" or not halves
+            if halves and input_half:
+                weights_due[(s, m)] = (rec, dy, loss_grads)
+            variables = cell.trainable_variables if weight_half else []
             # With one micro-batch there is nothing to sum: the gradients are returned.
-            to_sums = M > 1
-            with tf.name_scope(f"stage{s}_mb{m}_backward"), tf.device(cell.device):
-                deps = last.get(d, []) + _done(grads_in[(s, m)])
-                if to_sums and s not in summed:  # the stage's first backward: its sums start at 0
+            to_sums = M > 1 and weight_half
+            grads: List[Any] = []
+            in_grads: List[Any] = []
+            with tf.name_scope(f"stage{s}_mb{m}_{names[action.kind]}"), tf.device(cell.device):
+                deps = last.get(d, []) + _done(dy)
+                if to_sums and s not in summed:  # the stage's first addition: its sums start at 0
                     deps.append(stage.functions(cell).zero_sums())
                 start = mark("start " + tag, d, deps)
-                dy = _after(start, grads_in.pop((s, m)))
-                in_grads, result = remat.backward(
-                    cell,
-                    rec,
-                    dy,
-                    _after(start, loss_grads),
-                    True,
-                    variables,
-                    need_input_grads=s > 0,
-                    tracer=None if tracer is None else (tracer, d, tag),
-                    to_sums=to_sums,
-                )
-                if to_sums:
-                    summed[s], grads = result
-                else:
-                    grads = result
+                # Stage 0's input needs no gradient: its split B has nothing to compute.
+                if not (halves and input_half and s == 0):
+                    in_grads, result = remat.backward(
+                        cell,
+                        rec,
+                        _after(start, dy),
+                        _after(start, loss_grads),
+                        True,
+                        variables,
+                        need_input_grads=input_half and s > 0,
+                        tracer=None if tracer is None else (tracer, d, tag),
+                        to_sums=to_sums,
+                        need_weight_grads=weight_half,
+                    )
+                    if to_sums:
+                        summed[s], grads = result
+                    else:
+                        grads = result
                 for v, g in zip(variables, grads):
                     if g is not None:  # M = 1, or rows: concatenated, not summed into a dense tensor
                         rows[id(v)] = accumulate(rows.get(id(v)), g)
-            if s > 0:
+            if s > 0 and input_half:
                 grads_in[(s - 1, m)] = in_grads
             with tf.device(cell.device):
-                last[d] = mark("end " + tag, d, _done(in_grads, summed.get(s), grads))
+                token = summed.get(s) if weight_half else None
+                last[d] = mark("end " + tag, d, _done(in_grads, token, grads) or start)
     totals: Dict[int, Any] = dict(rows)
     for s, token in summed.items():
         totals.update(stage.functions(cells[s]).read_sums(_done(token)))

@@ -37,7 +37,7 @@ __all__ = [
 # Balancing by measured cost; the names are accepted now and passed on unchanged.
 BALANCE_METHODS = ("params", "time", "memory")
 _REMAT_MODES = ("always", "except_last", "never")  # tf_gpipe.pipeline.REMAT_MODES
-_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # tf_gpipe.schedules.SCHEDULES
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # tf_gpipe.schedules.SCHEDULES
 
 FLAG_NAMES = (
     "num_stages",
@@ -207,8 +207,9 @@ def define_pipeline_flags(
         "schedule",
         d["schedule"],
         list(_SCHEDULES),
-        "Pipeline schedule: 'gpipe' (fill-drain), '1f1b' (at most K micro-batches in flight) "
-        "or 'interleaved' (1F1B over --virtual_stages chunks per device). The last two need a "
+        "Pipeline schedule: 'gpipe' (fill-drain), '1f1b' (at most K micro-batches in flight), "
+        "'interleaved' (1F1B over --virtual_stages chunks per device) or 'zb-h1' (zero bubble: "
+        "each backward split into input and weight gradients). All but 'gpipe' need a "
         "loss with reduction 'sum_over_batch_size' or 'sum'.",
         flag_values=fv,
     )

@@ -57,10 +57,14 @@ class PipelineModel(keras.Model):
             ``"never"``.
         schedule: the order each device runs its forwards and backwards in
             ``fit``: ``"gpipe"`` (fill-drain; the loss sees the whole mini-batch),
-            ``"1f1b"`` (same bubble, at most K micro-batches in flight) or
+            ``"1f1b"`` (same bubble, at most K micro-batches in flight),
             ``"interleaved"`` (1F1B over ``virtual_stages`` chunks per device;
-            smaller bubble; needs ``num_micro_batches % num_stages == 0``). The
-            last two compute the loss per micro-batch, so it must reduce by
+            smaller bubble; needs ``num_micro_batches % num_stages == 0``) or
+            ``"zb-h1"`` (zero bubble: 1F1B with each backward run as two calls,
+            the input gradient first and the weight gradient later, in the
+            bubble; at most K micro-batches in flight on every device; each half
+            replays a re-materialized stage, so its forward is recomputed twice).
+            All but ``"gpipe"`` compute the loss per micro-batch, so it must reduce by
             ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``; a masked
             output's loss is exact, but not together with losses that layers
             add or with other outputs (use ``"gpipe"`` there).
@@ -165,14 +169,7 @@ class PipelineModel(keras.Model):
         num_stages = len(groups) // virtual_stages
         check_tied_layers(groups)
         # Validates the name, virtual_stages and M against the schedule before anything is built.
-        plan = schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
-        if plan.split_backward:
-            raise ValueError(
-                f"tf_gpipe: schedule={schedule!r} splits each backward into B (input gradient) "
-                "and W (weight gradient); the training step cannot run split backwards yet. Its "
-                f"timing can be studied with tf_gpipe.schedules.get({schedule!r}, K, M).simulate(). "
-                "Use schedule='1f1b', which has the same peak activation memory."
-            )
+        schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
         self._devices_arg = (
             None if devices is None else list(devices) if not isinstance(devices, str) else devices
         )

@@ -90,14 +90,16 @@ def forward(
     nonempty=None,
     deferred=None,
     side: Optional[dict] = None,
+    persistent: bool = False,
 ) -> Record:
     """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
 
     The cell runs as its stage's forward function (``tf_gpipe.stage``), traced
     once. With ``remat`` the intermediate activations are dropped and the
-    backward pass replays the cell; without it a tape keeps them. With
-    ``deferred`` (a ``batchnorm.DeferredStats``) BatchNormalization moments are
-    pooled there instead of moving the statistics now.
+    backward pass replays the cell; without it a tape keeps them (``persistent``
+    when a split schedule takes the input and the weight gradients from it in
+    two calls). With ``deferred`` (a ``batchnorm.DeferredStats``)
+    BatchNormalization moments are pooled there instead of moving the statistics now.
     """
     from tf_gpipe import stage
 
@@ -107,7 +109,7 @@ def forward(
         if remat:
             outputs, out_mask, losses, before = fns.forward(inputs, mask, side, nonempty, training, deferred)
         else:
-            tape = tf.GradientTape()
+            tape = tf.GradientTape(persistent=persistent)
             with tape:
                 tape.watch(_float_tensors(inputs))
                 outputs, out_mask, losses, before = fns.forward(
@@ -162,6 +164,7 @@ def backward(
     need_input_grads: bool = True,
     tracer: Any = None,
     to_sums: bool = False,
+    need_weight_grads: bool = True,
 ) -> Tuple[List[Optional[tf.Tensor]], Any]:
     """Gradients of one (cell, micro-batch) w.r.t. its float inputs and ``variables``.
 
@@ -174,8 +177,16 @@ def backward(
     timeline. With ``to_sums`` (``fit``) the gradients of ``cell.trainable_variables``
     are added to the stage's gradient sums (``StageFunctions.sums``) and a token, ready
     once they are, is returned in place of the variable grads.
+
+    ``need_weight_grads=False`` gives the input grads only (variable grads ``[]``,
+    ``to_sums`` ignored): a split schedule's ``B``; its ``W`` passes
+    ``need_input_grads=False``. Re-materialized, each replays the cell; on a
+    tape (which must then be ``persistent``), each differentiates it.
     """
     from tf_gpipe import stage
+
+    if not need_weight_grads:
+        variables, to_sums = [], False
 
     if record.tape is None:
         in_grads, cell_grads = stage.functions(cell).backward(
@@ -191,9 +202,12 @@ def backward(
             need_input_grads,
             tracer,
             to_sums,
+            need_weight_grads,
         )
         if to_sums:
             return in_grads, cell_grads
+        if not need_weight_grads:
+            return in_grads, []
         by_id = {}
         for v, g in zip(cell.trainable_variables, cell_grads):
             by_id[id(v)] = g

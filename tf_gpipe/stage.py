@@ -109,6 +109,9 @@ class StageFunctions:
         self.jit_compile = jit_compile
         self.eager = eager
         self.traces: Dict[str, int] = {"forward": 0, "backward": 0, "sum": 0}
+        # (need_input_grads, need_weight_grads) of each backward traced: a split schedule's
+        # B and W are traced apart, (True, False) and (False, True), never as one (True, True).
+        self.backward_halves: set = set()
         # Per trainable variable (by id): where fit's backward passes sum its gradient.
         # Kept on the cell: they outlive a remake of its functions (a new XLA choice).
         if not hasattr(cell, "_gradient_sums"):
@@ -299,6 +302,7 @@ class StageFunctions:
         need_input_grads: bool = True,
         tracer: Any = None,
         to_sums: bool = False,
+        need_weight_grads: bool = True,
     ) -> Tuple[List[Optional[tf.Tensor]], Any]:
         """Replay the stage with the state its forward read, and differentiate the replay.
 
@@ -308,7 +312,15 @@ class StageFunctions:
         added to the gradient sums instead, and a token ready once they are is
         returned in their place. ``tracer``, a ``(Recorder, device, tag)`` triple,
         marks the end of the recomputation on a timeline.
+
+        ``need_weight_grads=False`` computes the input grads only (a split schedule's
+        ``B``; ``to_sums`` is then ignored and the variable grads are ``[]``), and
+        ``need_input_grads=False`` the variable grads only (its ``W``). Each half
+        replays the forward on its own, so a split backward recomputes the stage's
+        forward twice, and the activation gradients that both halves need, once
+        per half: correct, simple, and more compute than one full backward.
         """
+        to_sums = bool(to_sums) and need_weight_grads
         defer = bool(deferred) and bool(training) and bool(self.cell.batch_norms)
         marker, label, fn = None, None, self._backward
         if tracer is not None:
@@ -331,6 +343,7 @@ class StageFunctions:
                 marker,
                 label,
                 bool(to_sums),
+                bool(need_weight_grads),
             )
         return list(in_grads), (var_grads if to_sums else list(var_grads))
 
@@ -349,8 +362,10 @@ class StageFunctions:
         marker,
         label,
         to_sums,
+        need_weight_grads=True,
     ):
         self.traces["backward"] += 1
+        self.backward_halves.add((bool(need_input_grads), bool(need_weight_grads)))
         cell = self.cell
         written = self._written[(training, defer)]
         flat_in = tf.nest.flatten(inputs)
@@ -392,7 +407,7 @@ class StageFunctions:
                 flat_in,
                 float_pos,
                 replay_in,
-                cell.trainable_variables,
+                cell.trainable_variables if need_weight_grads else [],
                 need_input_grads,
                 nonempty,
             )

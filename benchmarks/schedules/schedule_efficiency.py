@@ -5,7 +5,9 @@ known time and the measured ``train_on_batch`` time can be compared with
 ``tf_gpipe.schedules.get(...).simulate(f, b).makespan``. One child process per K
 (thread pools and logical CPUs must be set before TensorFlow starts). Efficiency =
 theoretical / measured. Method, commands and results: benchmarks/schedules/README.md,
-section 1. Writes --out/schedule_efficiency.{json,png} and --image. Never run by the tests.
+section 1 (section 5: zb-h1, whose backward is split into B and W, measured with
+``--schedules=gpipe,1f1b,zb-h1 --m_per_k=1,2,4 --record``). Writes
+--out/schedule_efficiency.{json,png} and --image. Never run by the tests.
 """
 
 from __future__ import annotations
@@ -25,11 +27,24 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_list("stages", ["2", "4", "8"], "Values of K (pipeline devices).")
 flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of M.")
-flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to run.")
+flags.DEFINE_list("m_per_k", [], "Values of M / K (e.g. 1,2,4: M in {K, 2K, 4K}); replaces --micro_batches.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to run (also: zb-h1).")
 flags.DEFINE_list("remats", ["never", "always"], "remat modes.")
 flags.DEFINE_integer("virtual_stages", 2, "v for the interleaved schedule.")
 flags.DEFINE_float("forward_ms", 10.0, "f: cost of one forward action of one (whole) stage.")
 flags.DEFINE_float("backward_ms", 20.0, "b: cost of one backward action of one (whole) stage.")
+flags.DEFINE_float(
+    "weight_ms",
+    10.0,
+    "w: the weight-gradient share of backward_ms. With a split schedule (zb-h1) in --schedules every "
+    "schedule runs SplitSerialWork: a backward is b-w ms of input gradient then w ms of weight gradient.",
+)
+flags.DEFINE_bool(
+    "record",
+    False,
+    "After the timed steps, run one step with the host work logged (busy time per device) and one "
+    "recorded with tf_gpipe.timeline (peak stashes per device); report measured bubble and stashes.",
+)
 flags.DEFINE_integer("warmup", 1, "Untimed calls after the first (tracing) one.")
 flags.DEFINE_integer("steps", 3, "Timed train_on_batch calls per configuration (median reported).")
 flags.DEFINE_bool(
@@ -54,21 +69,42 @@ flags.DEFINE_bool("child", False, "Internal: run every configuration of one K, p
 flags.DEFINE_integer("k", 4, "Internal (child): K.")
 
 
-def _theory(schedule, f: float, b: float, remat: str):
-    """(makespan, bubble, n_crit) of the simulated schedule with per-action costs."""
-    v = schedule.virtual_stages
-    fwd, bwd = f / v, (f + b if remat == "always" else b) / v
-    makespan = schedule.simulate(fwd, bwd).makespan
+def _costs(schedule, f: float, b: float, w: float, remat: str, split_layer: bool):
+    """``simulate`` arguments: per-stage forward, full-backward and W costs of what the executor runs.
+
+    A re-materialized backward replays the forward first; a split schedule replays it in
+    B and again in W. With ``SplitSerialWork`` stage 0's input-gradient half never runs
+    (its input needs no gradient: TensorFlow prunes it, whatever the schedule).
+    """
+    v, S = schedule.virtual_stages, schedule.num_stages
+    replay = f / v if remat == "always" else 0.0
+    if not split_layer:
+        return f / v, replay + b / v, None
+    if not schedule.split_backward:
+        return f / v, [replay + w / v] + [replay + b / v] * (S - 1), None
+    weight = replay + w
+    backward = [weight] + [replay + (b - w) + weight] * (S - 1)
+    return f, backward, [weight] * S
+
+
+def _theory(schedule, f: float, b: float, remat: str, w: float = 0.0, split_layer: bool = False):
+    """(makespan, bubble, n_crit, busy per device) of the simulated schedule with per-action costs."""
+    fwd, bwd, wgt = _costs(schedule, f, b, w, remat, split_layer)
+    timeline = schedule.simulate(fwd, bwd, weight_cost=wgt)
     eps = 1e-3
-    n_crit = (schedule.simulate(fwd + eps, bwd + eps).makespan - makespan) / eps
-    bubble = schedule.bubble_fraction(fwd, bwd) if fwd + bwd > 0 else float("nan")
-    return makespan, bubble, round(n_crit)
+    bumped = [c + eps for c in bwd] if isinstance(bwd, list) else bwd + eps
+    n_crit = (schedule.simulate(fwd + eps, bumped, weight_cost=wgt).makespan - timeline.makespan) / eps
+    bubble = schedule.bubble_fraction(fwd, bwd, weight_cost=wgt) if timeline.makespan > 0 else float("nan")
+    busy = [timeline.busy(d) for d in range(schedule.num_devices)]
+    return timeline.makespan, bubble, round(n_crit), busy
 
 
 def child() -> None:
     import serial_device as sd
 
     sd.configure_threads(inter_op=64, intra_op=2)  # before TensorFlow initializes
+    from split_serial_work import SplitSerialWork
+
     import tf_gpipe
 
     K = FLAGS.k
@@ -79,10 +115,13 @@ def child() -> None:
 
     tf.get_logger().setLevel("ERROR")
     f, b, v_inter = FLAGS.forward_ms, FLAGS.backward_ms, FLAGS.virtual_stages
+    w = FLAGS.weight_ms
+    split_layer = "zb-h1" in FLAGS.schedules
+    Ms = [k * K for k in map(int, FLAGS.m_per_k)] if FLAGS.m_per_k else list(map(int, FLAGS.micro_batches))
 
     configs = []
     for remat in FLAGS.remats:
-        for M in map(int, FLAGS.micro_batches):
+        for M in Ms:
             for name in FLAGS.schedules:
                 if name == "interleaved" and M % K:
                     continue
@@ -94,9 +133,14 @@ def child() -> None:
         v = v_inter if name == "interleaved" else 1
         keras.backend.clear_session()
         keras.utils.set_random_seed(0)
-        layers = [keras.layers.InputLayer(shape=(4,))] + [
-            sd.SerialWork(s % K, f / v, b / v, mode=mode, name=f"serial_s{s}") for s in range(K * v)
-        ]
+        if split_layer:
+            work = [
+                SplitSerialWork(s % K, f / v, b / v, mode=mode, weight_ms=w / v, name=f"serial_s{s}")
+                for s in range(K * v)
+            ]
+        else:
+            work = [sd.SerialWork(s % K, f / v, b / v, mode=mode, name=f"serial_s{s}") for s in range(K * v)]
+        layers = [keras.layers.InputLayer(shape=(4,))] + work
         model = tf_gpipe.PipelineModel(
             layers, num_stages=K, num_micro_batches=M, remat=remat, schedule=name, virtual_stages=v
         )
@@ -115,8 +159,31 @@ def child() -> None:
             model.train_on_batch(x, y)  # returns numpy logs: synchronizes
             times.append((time.perf_counter() - t0) * 1e3)
         plan = tf_gpipe.schedules.get(name, K, M, v)
-        theory, bubble, n_crit = _theory(plan, f, b, remat)
+        S = plan.num_stages
+        theory, bubble, n_crit, busy = _theory(plan, f, b, remat, w, split_layer)
         measured = statistics.median(times)
+        recorded = {}
+        if FLAGS.record:
+            sd.clear_work_log()
+            sd.work_log(True)
+            model.train_on_batch(x, y)
+            sd.work_log(False)
+            logged, calls = [0.0] * K, {"B": 0, "W": 0}
+            for dev, kind, t0, t1 in sd.work_log():
+                logged[dev] += (t1 - t0) * 1e3
+                calls[kind] = calls.get(kind, 0) + 1
+            with tf_gpipe.timeline.record(model) as rec:
+                model.train_on_batch(x, y)
+            live = tf_gpipe.timeline.live_stashes(rec.steps()[-1])
+            recorded = dict(
+                measured_bubble=1 - sum(busy) / (K * measured),
+                work_ratio=sum(logged) / sum(busy) if sum(busy) else float("nan"),
+                # Input- and weight-gradient host calls: a half that ran the other's work shows here.
+                calls=[calls["B"], calls["W"]],
+                expected_calls=[(S - 1) * M, S * M] if split_layer else [S * M, 0],
+                stashes=[live.get(dev, 0) for dev in range(K)],
+                peak_in_flight=plan.peak_in_flight(),
+            )
         result = dict(
             K=K,
             M=M,
@@ -133,7 +200,9 @@ def child() -> None:
             trace_s=trace_s,
             f=f,
             b=b,
+            w=w if split_layer else None,
             loadavg=harness.loadavg(),
+            **recorded,
         )
         harness.emit(result)
 
@@ -179,8 +248,60 @@ HEADERS = [
 ]
 
 
+STASH_HEADERS = [
+    "K",
+    "M",
+    "remat",
+    "schedule",
+    "measured ms",
+    "simulated ms",
+    "efficiency",
+    "measured bubble",
+    "simulated bubble",
+    "stashes per device (recorded)",
+    "peak_in_flight (simulated)",
+    "host work logged / simulated",
+    "B, W host calls (expected)",
+]
+
+
+def _stash_rows(results):
+    """Bubble and stashes, measured against the simulation, for runs with ``--record``."""
+    rows = []
+    order = {"gpipe": 0, "1f1b": 1, "zb-h1": 2}
+    done = [r for r in results if "stashes" in r and r["mode"] == "stateless"]
+    for r in sorted(done, key=lambda r: (r["K"], r["M"], r["remat"], order.get(r["schedule"], 9))):
+        rows.append(
+            [
+                r["K"],
+                r["M"],
+                r["remat"],
+                r["schedule"],
+                f"{r['measured_ms']:.1f}",
+                f"{r['theory_ms']:.1f}",
+                f"{r['efficiency']:.3f}",
+                f"{r['measured_bubble']:.1%}",
+                f"{r['bubble']:.1%}",
+                " ".join(map(str, r["stashes"])),
+                " ".join(map(str, r["peak_in_flight"])),
+                f"{r['work_ratio']:.2f}",
+                f"{r['calls'][0]}, {r['calls'][1]} ({r['expected_calls'][0]}, {r['expected_calls'][1]})",
+            ]
+        )
+    return rows
+
+
 def report(results, f: float, b: float, remats) -> None:
     """The Markdown tables and the summary lines."""
+    stash_rows = _stash_rows(results)
+    if stash_rows:
+        w = next((r["w"] for r in results if r.get("w") is not None), None)
+        split = f" = {b - w:g} ms B + {w:g} ms W" if w is not None else ""
+        print(
+            f"\n## bubble and stashes (f = {f:g} ms, b = {b:g} ms{split}; measured bubble = "
+            "1 - simulated busy time / (K x measured step))\n"
+        )
+        print(harness.md_table(STASH_HEADERS, stash_rows))
     for remat in remats:
         rows = _rows(results, remat)
         if not rows:
@@ -246,8 +367,8 @@ def parent() -> None:
     results, loads = [], [load_start]
     t_all = time.perf_counter()
     passthrough = harness.flag_args(
-        ("micro_batches", "schedules", "remats", "virtual_stages", "forward_ms", "backward_ms")
-        + ("warmup", "steps", "py_function_demo")
+        ("micro_batches", "m_per_k", "schedules", "remats", "virtual_stages", "forward_ms", "backward_ms")
+        + ("weight_ms", "record", "warmup", "steps", "py_function_demo")
     )
     for K in map(int, FLAGS.stages):
         for r in harness.stream_child(__file__, ["--child", f"--k={K}", *passthrough], env):
@@ -279,7 +400,7 @@ def _plot(results, path, f, b) -> None:
     if not Ks:
         return
     fig, axes = plt.subplots(2, len(Ks), figsize=(5.2 * len(Ks), 8.2), squeeze=False)
-    colors = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved": "tab:green"}
+    colors = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved": "tab:green", "zb-h1": "tab:red"}
     styles = {"never": "-", "always": "--"}
     for col, K in enumerate(Ks):
         ax_e, ax_t = axes[0][col], axes[1][col]
