@@ -22,7 +22,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("stages", 4, "K.")
 flags.DEFINE_integer("micro_batches", 8, "M.")
 flags.DEFINE_integer("virtual_stages", 2, "v for the interleaved schedule.")
-flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to record.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved", "zb-h1"], "Schedules to record.")
 flags.DEFINE_float("forward_ms", 20.0, "SerialWork forward cost per stage action.")
 flags.DEFINE_float("backward_ms", 40.0, "SerialWork backward cost per stage action.")
 flags.DEFINE_integer("width", 2048, "Dense width for the real-compute version.")
@@ -62,7 +62,12 @@ def main(argv):
         keras.backend.clear_session()
         keras.utils.set_random_seed(0)
         if kind == "serial":
-            layers = [sd.SerialWork(s % K, f / v, b / v, name=f"serial_s{s}") for s in range(K * v)]
+            if name == "zb-h1":  # its backward in two host calls: B, then W (half of b each)
+                from split_serial_work import SplitSerialWork
+
+                layers = [SplitSerialWork(s, f, b, weight_ms=b / 2, name=f"serial_s{s}") for s in range(K)]
+            else:
+                layers = [sd.SerialWork(s % K, f / v, b / v, name=f"serial_s{s}") for s in range(K * v)]
             layers, remat, loss = [keras.layers.InputLayer(shape=(4,)), *layers], "never", "mse"
             x = y = tf.constant(rng.standard_normal((M, 4), dtype=np.float32))
         else:  # 2K layers whatever the schedule (the same work): 2 per stage, 1 per virtual stage when v=2
@@ -89,9 +94,11 @@ def main(argv):
         live = timeline.live_stashes(spans)
         stashes = [live.get(d, 0) for d in range(K)]
         sched = name + (f" v={v}" if v > 1 else "")
-        theory = plan.simulate(f / v, b / v).makespan if kind == "serial" else None
+        split = {"weight_cost": b / 2} if plan.split_backward else {}
+        theory = plan.simulate(f / v, b / v, **split).makespan if kind == "serial" else None
         tag, sim = (name, f"; simulated {theory:.0f} ms") if kind == "serial" else (f"dense_{name}", "")
-        what = f"SerialWork f={f:g} ms, b={b:g} ms per stage, remat=never"
+        what = f"SerialWork f={f:g} ms, b={b:g} ms per stage" + (" (B, W: b/2 each)" if split else "")
+        what += ", remat=never"
         if kind == "dense":
             what = f"{2 * K} x Dense({FLAGS.width}), micro-batch {FLAGS.micro_batch}, remat=always"
         title = f"{sched}, K={K}, M={M}: {what}\nrecorded step {makespan:.0f} ms{sim}"
