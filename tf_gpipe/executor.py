@@ -96,7 +96,7 @@ def _whole_batch_grads(schedule: Any, batch_loss: Optional[BatchLossFn], outputs
             "forward is done, so the whole mini-batch loss is not ready; use "
             "schedule='gpipe' for this loss."
         )
-    last = schedule.num_stages - 1
+    last = schedule.num_virtual_stages - 1
     return {(last, m): g for m, g in enumerate(batch_loss(outputs, out_masks))}
 
 

@@ -76,7 +76,7 @@ def _costs(schedule, f: float, b: float, w: float, remat: str, split_layer: bool
     B and again in W. With ``SplitSerialWork`` stage 0's input-gradient half never runs
     (its input needs no gradient: TensorFlow prunes it, whatever the schedule).
     """
-    v, S = schedule.virtual_stages, schedule.num_stages
+    v, S = schedule.virtual_stages, schedule.num_virtual_stages
     replay = f / v if remat == "always" else 0.0
     if not split_layer:
         return f / v, replay + b / v, None
@@ -159,7 +159,7 @@ def child() -> None:
             model.train_on_batch(x, y)  # returns numpy logs: synchronizes
             times.append((time.perf_counter() - t0) * 1e3)
         plan = tf_gpipe.schedules.get(name, K, M, v)
-        S = plan.num_stages
+        S = plan.num_virtual_stages
         theory, bubble, n_crit, busy = _theory(plan, f, b, remat, w, split_layer)
         measured = statistics.median(times)
         recorded = {}
