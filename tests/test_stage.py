@@ -326,7 +326,8 @@ def test_stage_jit_survives_save_and_load(tmp_path):
 # ---------------------------------------------------------------- exact replay under XLA
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+# 1f1b under XLA: test_jit_compile_true_matches_sequential; zb-h1 replays in both B and W.
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_exact_replay_under_xla(schedule):
     """Under XLA the replay still draws the forward's dropout masks and moves BatchNorm
     once: re-materialized training equals training on a tape (remat="never")."""
