@@ -22,10 +22,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["SerialWork", "configure_threads"]
+__all__ = ["SerialWork", "clear_work_log", "configure_threads", "work_log"]
 
 _LOCKS: Dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
+# (device, kind, t_start, t_end) per host-function call while logging is on
+# (schedule_efficiency.py --record counts the B and W calls with it).
+_LOG: list = []
+_LOGGING = {"on": False}
 MODES = ("stateless", "py_function")
 
 
@@ -38,14 +42,29 @@ def configure_threads(inter_op: int = 64, intra_op: int = 2) -> None:
     tf.config.threading.set_intra_op_parallelism_threads(intra_op)
 
 
-def _hold(device_index: int, ms: float) -> None:
+def work_log(on: bool | None = None) -> list:
+    """The host-side work log; ``work_log(True)`` starts logging, ``work_log(False)`` stops."""
+    if on is not None:
+        _LOGGING["on"] = on
+    return _LOG
+
+
+def clear_work_log() -> None:
+    del _LOG[:]
+
+
+def _hold(device_index: int, ms: float, kind: str = "") -> None:
     """Hold modelled device ``device_index`` (its lock) for ``ms``."""
     with _LOCKS_GUARD:
         lock = _LOCKS.setdefault(device_index, threading.Lock())
     with lock:
-        deadline = time.perf_counter() + ms / 1e3
+        t0 = deadline = time.perf_counter()
+        deadline += ms / 1e3
         while (left := deadline - time.perf_counter()) > 0:  # a deadline: robust to early wake-ups
             time.sleep(left)
+        t1 = time.perf_counter()
+    if _LOGGING["on"]:
+        _LOG.append((device_index, kind, t0, t1))
 
 
 def _host(x: tf.Tensor, device_index: int, ms: float, kind: str, mode: str, after=None) -> tf.Tensor:
@@ -58,7 +77,7 @@ def _host(x: tf.Tensor, device_index: int, ms: float, kind: str, mode: str, afte
     inputs = [x] if after is None else [x, after]
 
     def work(value, *_):
-        _hold(device_index, ms)
+        _hold(device_index, ms, kind)
         return value
 
     if mode == "stateless":
