@@ -204,7 +204,7 @@ def child() -> None:
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
         flags_ = remat_flags(c.remat, len(c.balance))
         schedule = tf_gpipe.schedules.get(c.schedule, c.num_stages, c.num_micro_batches, c.virtual_stages)
-        process = predict.process_peak(schedule, c.stages, flags_, p.optimizer_slots)
+        process = predict.process_peak(schedule, c.stages, flags_, p.optimizer_slots, update=p.update)
         harness.emit(
             dict(
                 model=FLAGS.model,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from tf_gpipe.plan.predict import static_bytes
+from tf_gpipe.plan.predict import UpdateCost, static_bytes
 from tf_gpipe.plan.profile import ModelProfile
 from tf_gpipe.plan.search import Candidate, remat_flags
 
@@ -46,7 +46,7 @@ class Plan:
         predicted_step_s: simulated seconds per training step.
         predicted_peak_bytes: predicted peak bytes of each device.
         candidates: every configuration weighed, fastest first (``Candidate``).
-        memory_budget_bytes, global_batch, optimizer_slots: the inputs it planned for.
+        memory_budget_bytes, global_batch, optimizer_slots, update: the inputs it planned for.
     """
 
     chosen: Candidate
@@ -56,6 +56,7 @@ class Plan:
     global_batch: int
     optimizer_slots: int
     profile: ModelProfile  # the measurements it planned from (for plan_from_profile)
+    update: Optional[UpdateCost] = None  # the optimizer update's temporaries it planned with
 
     num_stages = property(lambda self: self.chosen.num_stages)
     balance = property(lambda self: list(self.chosen.balance))
