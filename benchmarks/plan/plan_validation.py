@@ -39,7 +39,7 @@ flags.DEFINE_float("work_fixed_ms", 3.0, "Serial work per call per real layer, f
 flags.DEFINE_integer("max_micro_batches", 16, "The largest M the planner tries.")
 flags.DEFINE_bool("also_remat", True, "Also measure the fastest fitting candidate of each other remat mode.")
 flags.DEFINE_integer("steps", 5, "Timed steps (median), after two untimed ones.")
-flags.DEFINE_string("optimizer", "adam", "Optimizer (the planner counts its slots).")
+flags.DEFINE_string("optimizer", "adam", "Optimizer (the planner counts its slots and measures its update).")
 flags.DEFINE_integer("repeats", 3, "Timed calls per layer and batch size when profiling.")
 flags.DEFINE_float("time_tolerance", 0.15, "PASS when measured/predicted step time is within this.")
 flags.DEFINE_float("memory_tolerance", 0.20, "PASS when measured/predicted peak memory is within this.")
