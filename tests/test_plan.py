@@ -278,7 +278,9 @@ def test_the_optimizer_update_is_a_phase_of_its_own():
     # The plan searches with it: a budget that holds the static bytes but not the update fails.
     with pytest.raises(PlanError):
         plan_from_profile(prof, 1, 2 * static + 10**5, 4, max_micro_batches=4, update=update)
-    assert plan_from_profile(prof, 1, 2 * static + 10**5, 4, update=predict.UpdateCost(0.0, 0.0))
+    fits = plan_from_profile(prof, 1, 2 * static + 10**5, 4, update=predict.UpdateCost(0.0, 0.5))
+    assert fits.num_micro_batches > 1  # M = 1: its update (0.5 x 2e6) does not fit
+    assert "update takes 0.0 (M > 1) or 0.5 (M = 1)" in fits.report()
 
 
 def test_measure_update_reads_the_allocator():

@@ -71,6 +71,13 @@ class Plan:
     def devices(self) -> Optional[List[str]]:
         return None if self.device_list is None else self.device_list[: self.chosen.num_stages]
 
+    def _update_note(self) -> str:
+        if self.update is None:
+            return ""
+        u = self.update
+        more = f"{u.from_sums:.1f} (M > 1) or {u.from_fresh:.1f} (M = 1)"
+        return f"; its update takes {more} weights' worth more"
+
     def settings(self) -> Dict[str, Any]:
         """The ``PipelineModel`` keyword arguments this plan sets."""
         return {name: getattr(self, name) for name in SETTINGS}
@@ -126,7 +133,7 @@ class Plan:
             f"(global batch {self.global_batch})",
             f"Predicted: step {c.step_s * 1e3:.2f} ms, bubble {c.bubble:.1%}, peak "
             f"{_mib(c.max_peak)} MiB on the fullest device (budget {_mib(budget)} MiB, "
-            f"{self.optimizer_slots} optimizer slot(s) per weight)",
+            f"{self.optimizer_slots} optimizer slot(s) per weight{self._update_note()})",
         ]
         why = (
             f"Why: the fastest of the {len(fitting)} of {len(self.candidates)} candidates that fit the budget"
