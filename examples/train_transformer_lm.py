@@ -30,6 +30,7 @@ Usage (the defaults train for about 1-2 minutes on 2 CPU cores):
     python examples/train_transformer_lm.py
     python examples/train_transformer_lm.py --model_dir=/tmp/lm --schedule=1f1b
     python examples/train_transformer_lm.py --num_stages=2 --balance=3,4 --num_micro_batches=8
+    python examples/train_transformer_lm.py --plan_memory_budget=256MiB  # tf_gpipe.plan chooses
 
 Running it again with the same ``--model_dir`` resumes (or, when training is
 complete, only exports and samples); use a new ``--model_dir`` to start over.
@@ -53,6 +54,7 @@ import tf_gpipe.flags as pipeline_flags
 FLAGS = flags.FLAGS
 
 pipeline_flags.define_pipeline_flags(defaults={"num_stages": 4, "num_micro_batches": 4, "virtual_cpus": 4})
+pipeline_flags.define_plan_flags(FLAGS)
 flags.DEFINE_string(
     "model_dir",
     os.path.join(tempfile.gettempdir(), "tf_gpipe_lm"),
@@ -506,13 +508,27 @@ def main(argv):
         FLAGS.mlp_dim,
         FLAGS.dropout,
     )
-    settings = pipeline_flags.pipeline_kwargs(FLAGS)
-    model = tf_gpipe.PipelineModel(layers, name="gpipe_lm", **settings)
     warmup = min(FLAGS.warmup_steps, FLAGS.steps // 2)
     schedule = keras.optimizers.schedules.CosineDecay(
         0.0, FLAGS.steps - warmup, alpha=0.1, warmup_target=FLAGS.learning_rate, warmup_steps=warmup
     )
     optimizer = keras.optimizers.Adam(schedule, global_clipnorm=1.0)
+    if FLAGS.plan_memory_budget:  # the planner picks K (up to --num_stages), cuts, M, remat, schedule
+        plan = tf_gpipe.plan(
+            layers,
+            x_val[: FLAGS.batch_size],  # token ids: the embedding needs integers, not a shape
+            FLAGS.num_stages,
+            FLAGS.plan_memory_budget,
+            FLAGS.batch_size,
+            optimizer=optimizer,  # its slots, and its update's temporaries (measured)
+            repeats=2,
+        )
+        print(plan.report(limit=8))
+        settings = plan.settings()
+        model = tf_gpipe.PipelineModel(layers, plan=plan, name="gpipe_lm")
+    else:
+        settings = pipeline_flags.pipeline_kwargs(FLAGS)
+        model = tf_gpipe.PipelineModel(layers, name="gpipe_lm", **settings)
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -9,7 +9,7 @@ from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
 from tf_gpipe import schedules
-from tf_gpipe.plan import PlanError, count_optimizer_slots, plan_from_profile, predict
+from tf_gpipe.plan import PlanError, count_optimizer_slots, measure_update, plan_from_profile, predict
 from tf_gpipe.plan.profile import Affine, LayerProfile, ModelProfile, profile_layers
 
 CPUS = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2", "/device:CPU:3"]
@@ -216,7 +216,7 @@ def test_profile_measures_what_a_backward_allocates():
 def test_profile_without_allocator_statistics_estimates_from_sizes(monkeypatch):
     from tf_gpipe.plan import profile as profile_module
 
-    monkeypatch.setattr(profile_module, "_allocator", lambda device: None)
+    monkeypatch.setattr(profile_module, "allocator_name", lambda device: None)
     layers = [keras.Input((16,)), keras.layers.Dense(8), keras.layers.Dense(32, activation="relu")]
     first, dense = profile_layers(layers, None, [4], repeats=1, warmup=0).layers
     out, weights = 4 * 32 * 4, (8 * 32 + 32) * 4
@@ -253,3 +253,70 @@ def test_bad_arguments_name_the_problem():
         inp = keras.Input((4,))
         tf_gpipe.plan(keras.Model(inp, keras.layers.Dense(2)(inp)), None, 2, 1e9, 8)
     assert np.isfinite(plan_from_profile(prof, 1, 1e9, 8).predicted_step_s)
+
+
+def test_the_optimizer_update_is_a_phase_of_its_own():
+    # Weights dominate (1e6 bytes a layer, 1 byte of activation an example): the peak is the
+    # update's, static bytes plus its temporaries, on each device and in the whole process.
+    prof = hand_profile(layers=2, act=1.0, params=10**6, peak=1.0)
+    update = predict.UpdateCost(from_sums=2.0, from_fresh=0.5)
+    static = 4 * 10**6  # weights, gradient sums (or gradients) and 2 slots
+    for M, per_weight in ((2, 2.0), (1, 0.5)):  # M = 1: the gradients are the backward's own
+        sched = schedules.get("gpipe", 2, M)
+        stages = predict.stage_costs(prof, [1, 1], 4 // M)
+        devices = predict.device_memory(sched, stages, [False, False], 2, update)
+        assert devices == [static + per_weight * 10**6] * 2
+        process = predict.process_peak(sched, stages, [False, False], 2, update=update)
+        assert process == 2 * (static + per_weight * 10**6)
+    # Activations dominate: the update's phase does not add to theirs.
+    big = hand_profile(layers=2, act=10**6, params=10, peak=10**6)
+    stages = predict.stage_costs(big, [1, 1], 2)
+    sched = schedules.get("gpipe", 2, 2)
+    assert predict.device_memory(sched, stages, [False, False], 2, update) == predict.device_memory(
+        sched, stages, [False, False], 2, predict.UpdateCost(0.0, 0.0)
+    )
+    # The plan searches with it: a budget that holds the static bytes but not the update fails.
+    with pytest.raises(PlanError):
+        plan_from_profile(prof, 1, 2 * static + 10**5, 4, max_micro_batches=4, update=update)
+    fits = plan_from_profile(prof, 1, 2 * static + 10**5, 4, update=predict.UpdateCost(0.0, 0.5))
+    assert fits.num_micro_batches > 1  # M = 1: its update (0.5 x 2e6) does not fit
+    assert "update takes 0.0 (M > 1) or 0.5 (M = 1)" in fits.report()
+
+
+def test_measure_update_reads_the_allocator():
+    # Adam builds two weights' worth of temporaries (the new m, then the step); SGD one (lr * g).
+    # A gradient the update may overwrite saves one (the copy itself is not counted).
+    adam, sgd = measure_update("adam"), measure_update(keras.optimizers.SGD())
+    assert adam.from_sums == pytest.approx(2.0, abs=0.05) and adam.from_fresh == pytest.approx(1.0, abs=0.05)
+    assert sgd.from_sums == pytest.approx(1.0, abs=0.05) and sgd.from_fresh == pytest.approx(0.0, abs=0.05)
+    assert predict.UpdateCost.estimate(2) == predict.UpdateCost(2.0, 1.0)
+    assert predict.UpdateCost.estimate(0) == predict.UpdateCost(1.0, 0.0)
+
+
+def test_lm_example_builds_from_a_plan(tmp_path):
+    # examples/train_transformer_lm.py --plan_memory_budget: the planner profiles on integer
+    # token ids (the embedding takes no floats) and the model follows the plan it prints.
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    tiny = ["--steps=2", "--checkpoint_every=2", "--num_layers=2", "--d_model=16", "--num_heads=2"]
+    tiny += ["--mlp_dim=32", "--batch_size=8", "--seq_len=16", "--corpus_kb=20", "--sample_length=4"]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "train_transformer_lm.py"), *tiny, "--verbose=0",
+         f"--model_dir={tmp_path}", "--plan_memory_budget=64MiB"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    planned = re.search(r"Plan: K=(\d+) M=(\d+) .*balance=(\[[0-9, ]+\])", proc.stdout)
+    assert planned and "Candidates (" in proc.stdout, output[-5000:]
+    summary = json.loads(proc.stdout.rsplit("SUMMARY ", 1)[1].splitlines()[0])
+    assert summary["balance"] == json.loads(planned.group(3)), proc.stdout[-3000:]
+    assert len(summary["devices"]) == int(planned.group(1)), proc.stdout[-3000:]

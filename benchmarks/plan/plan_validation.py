@@ -39,7 +39,7 @@ flags.DEFINE_float("work_fixed_ms", 3.0, "Serial work per call per real layer, f
 flags.DEFINE_integer("max_micro_batches", 16, "The largest M the planner tries.")
 flags.DEFINE_bool("also_remat", True, "Also measure the fastest fitting candidate of each other remat mode.")
 flags.DEFINE_integer("steps", 5, "Timed steps (median), after two untimed ones.")
-flags.DEFINE_string("optimizer", "adam", "Optimizer (the planner counts its slots).")
+flags.DEFINE_string("optimizer", "adam", "Optimizer (the planner counts its slots and measures its update).")
 flags.DEFINE_integer("repeats", 3, "Timed calls per layer and batch size when profiling.")
 flags.DEFINE_float("time_tolerance", 0.15, "PASS when measured/predicted step time is within this.")
 flags.DEFINE_float("memory_tolerance", 0.20, "PASS when measured/predicted peak memory is within this.")
@@ -204,7 +204,7 @@ def child() -> None:
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
         flags_ = remat_flags(c.remat, len(c.balance))
         schedule = tf_gpipe.schedules.get(c.schedule, c.num_stages, c.num_micro_batches, c.virtual_stages)
-        process = predict.process_peak(schedule, c.stages, flags_, p.optimizer_slots)
+        process = predict.process_peak(schedule, c.stages, flags_, p.optimizer_slots, update=p.update)
         harness.emit(
             dict(
                 model=FLAGS.model,

@@ -13,9 +13,11 @@ import functools
 from typing import Any, Optional, Sequence, Union
 
 import keras
+import tensorflow as tf
 
 from tf_gpipe.plan import predict, profile, report, search  # noqa: F401  (predict: for readers)
-from tf_gpipe.plan.profile import ModelProfile
+from tf_gpipe.plan.predict import UpdateCost
+from tf_gpipe.plan.profile import ModelProfile, allocator_name
 from tf_gpipe.plan.report import Plan, PlanError
 from tf_gpipe.plan.search import REMATS, Candidate
 
@@ -25,7 +27,9 @@ __all__ = [
     "ModelProfile",
     "Plan",
     "PlanError",
+    "UpdateCost",
     "count_optimizer_slots",
+    "measure_update",
     "plan",
     "plan_from_profile",
 ]
@@ -42,6 +46,42 @@ def count_optimizer_slots(optimizer: Any) -> int:
     weight = keras.Variable(keras.ops.zeros((3, 7)), name="planner_probe")
     fresh.build([weight])
     return sum(1 for v in fresh.variables if tuple(v.shape) == (3, 7))
+
+
+def measure_update(optimizer: Any, device: str = "/device:CPU:0", shape=(512, 512)) -> Optional[UpdateCost]:
+    """What ``optimizer``'s update allocates for a moment, per trainable byte, measured with
+    the allocator on one weight of ``shape`` (a fresh copy of the optimizer); None where
+    ``device``'s allocator keeps no statistics (CPU without ``TF_CPU_ALLOCATOR_USE_BFC=true``).
+    """
+    allocator = allocator_name(device)
+    if allocator is None:
+        return None
+    opt = keras.optimizers.get(optimizer)
+    fresh = type(opt).from_config(opt.get_config())
+    with tf.device(device):
+        weight = keras.Variable(keras.ops.zeros(shape), name="planner_probe")
+        total = tf.Variable(tf.ones(shape))  # stands in for a gradient-sum variable
+        fresh.build([weight])
+
+        def step(copy: bool) -> Any:
+            @tf.function(autograph=False)
+            def update():
+                # A copy is a gradient the update may overwrite, as the backward's own are.
+                fresh.apply_gradients([(total * 1.0 if copy else total.read_value(), weight)])
+
+            return update
+
+        peaks = []
+        for copy in (False, True):
+            update = step(copy)
+            update()  # traces
+            tf.config.experimental.reset_memory_stats(allocator)
+            base = tf.config.experimental.get_memory_info(allocator)["current"]
+            update()
+            peaks.append(tf.config.experimental.get_memory_info(allocator)["peak"] - base)
+    size = float(tf.TensorShape(shape).num_elements() * 4)
+    # The copied gradient is counted by static_bytes: not a temporary of the update.
+    return UpdateCost(max(peaks[0] / size, 0.0), max(peaks[1] / size - 1.0, 0.0))
 
 
 @functools.cache
@@ -131,12 +171,14 @@ def plan(
         repeats=repeats,
         device=profile_device or "/device:CPU:0",
     )
+    device = profile_device or "/device:CPU:0"
     return plan_from_profile(
         profiled,
         devices,
         memory_budget_bytes,
         global_batch,
         optimizer_slots=2 if slots is None else slots,
+        update=measure_update(optimizer, device) if optimizer is not None else None,
         schedules=schedules,
         remats=remats,
         max_micro_batches=max_micro_batches,
@@ -172,14 +214,18 @@ def plan_from_profile(
     remats: Sequence[str] = REMATS,
     max_micro_batches: int = 64,
     virtual_stages: int = 2,
+    update: Optional[UpdateCost] = None,
 ) -> Plan:
     """:func:`plan` from a profile already taken: re-plan for another budget, batch or
     device count without measuring again (``p.profile`` is the profile a plan used).
 
     Args:
         profiled: a ``ModelProfile`` (``p.profile``, or ``profile.profile_layers(...)``).
+        update: the optimizer update's temporaries (:func:`measure_update`; ``plan``
+            measures them when given ``optimizer``); default estimated from ``optimizer_slots``.
         Others: as for :func:`plan`.
     """
+    update = UpdateCost.estimate(optimizer_slots) if update is None else update
     count = _check(devices, global_batch, memory_budget_bytes, remats)
     device_list = (
         None if isinstance(devices, int) else [devices] if isinstance(devices, str) else list(devices)
@@ -195,6 +241,7 @@ def plan_from_profile(
         remats=list(remats),
         max_micro_batches=max_micro_batches,
         virtual_stages=virtual_stages,
+        update=update,
     )
     candidates = search.search(profiled, **options)  # type: ignore[arg-type]
     fitting = [c for c in candidates if c.fits]
@@ -220,4 +267,5 @@ def plan_from_profile(
         global_batch=global_batch,
         optimizer_slots=optimizer_slots,
         profile=profiled,
+        update=update,
     )

@@ -8,8 +8,11 @@ order of actions: a forward leaves its stash (the stage input with re-materializ
 every tensor the backward keeps without), a backward frees it. While a backward runs,
 the micro-batch's own activations (re-computed, with remat) are live up to the layer
 whose backward runs, beside that layer's measured peak (its gradients and buffers:
-``LayerProfile.backward_peak``) and every other stash still held. Ignored: the loss,
-the traced graph, allocator fragmentation, and the copies between devices.
+``LayerProfile.backward_peak``) and every other stash still held. After the last
+backward the optimizer update runs: its temporaries (:class:`UpdateCost`, measured per
+optimizer) beside the weights, slots and gradients, when the activations are gone; a
+device's peak is the larger of the two phases. Ignored: the loss, the traced graph,
+allocator fragmentation, and the copies between devices.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from tf_gpipe.partition import split_by_balance
 from tf_gpipe.plan.profile import LayerProfile, ModelProfile
 from tf_gpipe.schedules import Action, Schedule, Timeline
 
-__all__ = ["StageCost", "device_memory", "process_peak", "stage_costs", "step_time"]
+__all__ = ["StageCost", "UpdateCost", "device_memory", "process_peak", "stage_costs", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,32 @@ class StageCost:
     backward_bytes: float  # the most a backward holds: its input, activations, gradients, buffers
     trainable_bytes: int
     non_trainable_bytes: int
+
+
+@dataclass(frozen=True)
+class UpdateCost:
+    """Bytes the optimizer update allocates for a moment, per trainable byte.
+
+    Keras' optimizers build each new slot and weight value from temporaries (Adam:
+    ``(g - m) * (1 - beta_1)`` and the step ``m * alpha / (sqrt(v) + eps)``, two weights'
+    worth), and the updates of different weights run at once. ``from_sums``: the
+    gradients are reads of fit's gradient-sum variables (M > 1), whose buffers no
+    update may overwrite; ``from_fresh``: the backward's own gradients (M = 1), which
+    an update may reuse (the gradients themselves are counted by :func:`static_bytes`).
+    """
+
+    from_sums: float
+    from_fresh: float
+
+    @classmethod
+    def estimate(cls, optimizer_slots: int) -> UpdateCost:
+        """Without allocator statistics: Adam's and SGD's measured values (two, one temporary
+        weight per weight with sums; one fewer when the gradients may be overwritten)."""
+        temporaries = float(max(optimizer_slots, 1))
+        return cls(temporaries, temporaries - 1.0)
+
+    def bytes(self, trainable_bytes: float, num_micro_batches: int) -> float:
+        return trainable_bytes * (self.from_sums if num_micro_batches > 1 else self.from_fresh)
 
 
 def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile) -> StageCost:
@@ -123,15 +152,36 @@ def _events(
     return out
 
 
-def device_memory(
-    schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool], optimizer_slots: int
+def _update(
+    schedule: Schedule, stages: Sequence[StageCost], update: Optional[UpdateCost], optimizer_slots: int
 ) -> List[float]:
-    """Predicted peak bytes per device: static bytes of its stages plus its activation peak."""
+    """Per device, what the optimizer update allocates beside the static bytes."""
+    cost = UpdateCost.estimate(optimizer_slots) if update is None else update
+    out = [0.0] * schedule.num_devices
+    for i, s in enumerate(stages):
+        out[schedule.device_of(i)] += cost.bytes(s.trainable_bytes, schedule.num_micro_batches)
+    return out
+
+
+def device_memory(
+    schedule: Schedule,
+    stages: Sequence[StageCost],
+    remat: Sequence[bool],
+    optimizer_slots: int,
+    update: Optional[UpdateCost] = None,
+) -> List[float]:
+    """Predicted peak bytes per device: static bytes of its stages plus the larger of its
+    activation peak and its optimizer update's temporaries (``update``; default
+    :meth:`UpdateCost.estimate`)."""
     static = [0.0] * schedule.num_devices
     for i, s in enumerate(stages):
         static[schedule.device_of(i)] += static_bytes(s, optimizer_slots)
     events = _events(schedule, stages, remat)
-    return [static[d] + max((held + spike for _, held, spike, _ in events[d]), default=0.0) for d in events]
+    updates = _update(schedule, stages, update, optimizer_slots)
+    return [
+        static[d] + max(max((held + spike for _, held, spike, _ in events[d]), default=0.0), updates[d])
+        for d in events
+    ]
 
 
 def process_peak(
@@ -140,6 +190,7 @@ def process_peak(
     remat: Sequence[bool],
     optimizer_slots: int,
     timeline: Optional[Timeline] = None,
+    update: Optional[UpdateCost] = None,
 ) -> float:
     """Predicted peak bytes of all devices together, on the simulated timeline.
 
@@ -148,7 +199,9 @@ def process_peak(
     at each instant; of the momentary peaks (a layer's gradient buffers: a CPU
     convolution's backward takes up to 32 MiB for a few milliseconds) only the largest
     of the actions running then is added: a stage's action lasts many such moments,
-    and the peaks of different devices seldom meet. At most the sum of :func:`device_memory`.
+    and the peaks of different devices seldom meet. The optimizer update (one function
+    for every device's weights) comes after every backward: all of its temporaries at once.
+    At most the sum of :func:`device_memory`.
     """
     if timeline is None:
         timeline = step_time(schedule, stages, remat)[2]
@@ -167,7 +220,7 @@ def process_peak(
     for _, _, d, value, spike in sorted(changes, key=lambda c: (c[0], c[1])):
         held_now[d], spike_now[d] = value, spike
         peak = max(peak, sum(held_now.values()) + max(spike_now.values()))
-    return static + peak
+    return static + max(peak, sum(_update(schedule, stages, update, optimizer_slots)))
 
 
 def _initial(schedule: Schedule, stages: Sequence[StageCost], d: int) -> float:

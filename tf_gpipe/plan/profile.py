@@ -195,7 +195,7 @@ def _kept(graph: Any, marks: dict) -> Tuple[int, bool, bool]:
     return internal, uses_input, saves_output
 
 
-def _allocator(device: str) -> Optional[str]:
+def allocator_name(device: str) -> Optional[str]:
     """The name ``get_memory_info`` knows ``device`` by, or None where its allocator keeps no
     statistics (CPU without ``TF_CPU_ALLOCATOR_USE_BFC=true``)."""
     spec = tf.DeviceSpec.from_string(device)
@@ -288,7 +288,7 @@ def profile_layers(
             "tf_gpipe: plan needs sample_input: a batch, a shape such as (32, 784), or keras.Input."
         )
     sizes = sorted({int(min(batch_sizes)), int(max(batch_sizes))})
-    allocator = _allocator(device)
+    allocator = allocator_name(device)
     per_size = []
     for n in sizes:
         _, records = _prepare(layer_list, _at_batch(sample, n), n)

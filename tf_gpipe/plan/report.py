@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from tf_gpipe.plan.predict import static_bytes
+from tf_gpipe.plan.predict import UpdateCost, static_bytes
 from tf_gpipe.plan.profile import ModelProfile
 from tf_gpipe.plan.search import Candidate, remat_flags
 
@@ -46,7 +46,7 @@ class Plan:
         predicted_step_s: simulated seconds per training step.
         predicted_peak_bytes: predicted peak bytes of each device.
         candidates: every configuration weighed, fastest first (``Candidate``).
-        memory_budget_bytes, global_batch, optimizer_slots: the inputs it planned for.
+        memory_budget_bytes, global_batch, optimizer_slots, update: the inputs it planned for.
     """
 
     chosen: Candidate
@@ -56,6 +56,7 @@ class Plan:
     global_batch: int
     optimizer_slots: int
     profile: ModelProfile  # the measurements it planned from (for plan_from_profile)
+    update: Optional[UpdateCost] = None  # the optimizer update's temporaries it planned with
 
     num_stages = property(lambda self: self.chosen.num_stages)
     balance = property(lambda self: list(self.chosen.balance))
@@ -69,6 +70,13 @@ class Plan:
     @property
     def devices(self) -> Optional[List[str]]:
         return None if self.device_list is None else self.device_list[: self.chosen.num_stages]
+
+    def _update_note(self) -> str:
+        if self.update is None:
+            return ""
+        u = self.update
+        more = f"{u.from_sums:.1f} (M > 1) or {u.from_fresh:.1f} (M = 1)"
+        return f"; its update takes {more} weights' worth more"
 
     def settings(self) -> Dict[str, Any]:
         """The ``PipelineModel`` keyword arguments this plan sets."""
@@ -125,7 +133,7 @@ class Plan:
             f"(global batch {self.global_batch})",
             f"Predicted: step {c.step_s * 1e3:.2f} ms, bubble {c.bubble:.1%}, peak "
             f"{_mib(c.max_peak)} MiB on the fullest device (budget {_mib(budget)} MiB, "
-            f"{self.optimizer_slots} optimizer slot(s) per weight)",
+            f"{self.optimizer_slots} optimizer slot(s) per weight{self._update_note()})",
         ]
         why = (
             f"Why: the fastest of the {len(fitting)} of {len(self.candidates)} candidates that fit the budget"

@@ -102,6 +102,7 @@ def search(
     remats: Sequence[str] = REMATS,
     max_micro_batches: int = 64,
     virtual_stages: int = 2,
+    update: Optional[predict.UpdateCost] = None,
 ) -> List[Candidate]:
     """Every candidate configuration, priced, fastest first; ``fits`` marks those within budget.
 
@@ -114,6 +115,7 @@ def search(
         schedule_names: schedules to weigh; ``"interleaved"`` uses ``virtual_stages``.
         remats: re-materialization modes to weigh.
         max_micro_batches: the largest M tried.
+        update: the optimizer update's temporaries (default estimated from the slots).
     """
     cache: Dict = {}
     seen = set()
@@ -138,7 +140,7 @@ def search(
                         seen.add(signature)
                         stages = predict.stage_costs(profile, balance, n)
                         step, bubble, _ = predict.step_time(schedule, stages, flags)
-                        peaks = predict.device_memory(schedule, stages, flags, optimizer_slots)
+                        peaks = predict.device_memory(schedule, stages, flags, optimizer_slots, update)
                         out.append(Candidate(K, M, name, v, remat, balance, n, step, bubble, peaks, stages))
     for c in out:
         c.fits = c.max_peak <= memory_budget_bytes
