@@ -18,7 +18,8 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO_ROOT, "benchmarks", "out")  # scratch output, git-ignored
@@ -26,7 +27,7 @@ MiB = 2.0**20
 RESULT = "RESULT "
 # Flags that select what a process does rather than what it measures: never passed to children.
 _NOT_PASSED = ("child", "from_json", "replot", "out", "image")
-_START: Dict[str, Any] = {}
+_START: dict[str, Any] = {}
 
 if REPO_ROOT not in sys.path:
     sys.path.append(REPO_ROOT)
@@ -54,7 +55,7 @@ def _run(*cmd: str) -> str:
         return ""
 
 
-def env_lines() -> List[str]:
+def env_lines() -> list[str]:
     import keras
     import numpy
     import tensorflow as tf
@@ -100,7 +101,7 @@ def vm(field: str) -> int:
 # ---------------------------------------------------------------------------- flags
 
 
-def flag_values(module_name: str = "__main__", skip: Sequence[str] = ()) -> Dict[str, Any]:
+def flag_values(module_name: str = "__main__", skip: Sequence[str] = ()) -> dict[str, Any]:
     """The flags a script defined (not absl's own), by name, less ``skip``."""
     from absl import flags
 
@@ -112,7 +113,7 @@ def _arg(name: str, value: Any) -> str:
     return f"--{name}={','.join(map(str, value)) if isinstance(value, list) else value}"
 
 
-def flag_args(names: Sequence[str]) -> List[str]:
+def flag_args(names: Sequence[str]) -> list[str]:
     """``--name=value`` for each flag, lists comma-joined: the parent's settings for a child."""
     from absl import flags
 
@@ -141,7 +142,7 @@ def finish(name: str, **data: Any) -> str:
     return save_json(os.path.join(flags.FLAGS.out, f"{name}.json"), saved)
 
 
-def load_json(path: str) -> Dict[str, Any]:
+def load_json(path: str) -> dict[str, Any]:
     with open(path) as f:
         data = json.load(f)
     print(f"# from {path}: {data.get('tf_gpipe')}; load {data.get('load_start')} to {data.get('load_end')}")
@@ -151,7 +152,7 @@ def load_json(path: str) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------- child processes
 
 
-def child_env(mmap_threshold: int = 0, tf_config: Optional[str] = None) -> Dict[str, str]:
+def child_env(mmap_threshold: int = 0, tf_config: str | None = None) -> dict[str, str]:
     """The environment of a child: this checkout importable, TF quiet, optionally glibc's
     ``MALLOC_MMAP_THRESHOLD_`` (so freed big blocks go back to the OS and RSS follows live memory)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -164,12 +165,12 @@ def child_env(mmap_threshold: int = 0, tf_config: Optional[str] = None) -> Dict[
     return env
 
 
-def emit(result: Dict[str, Any]) -> None:
+def emit(result: dict[str, Any]) -> None:
     """A child's result: one JSON line its parent picks out of the output."""
     print(RESULT + json.dumps(result), flush=True)
 
 
-def child(env: Optional[Dict[str, str]] = None, timeout: Optional[float] = None, **config) -> List[Dict]:
+def child(env: dict[str, str] | None = None, timeout: float | None = None, **config) -> list[dict]:
     """Run this script again with ``--child``, its own flags and ``config``'s values in their place
     (one configuration: e.g. ``stages=[2]`` for a list flag); return its results, or ``[]`` after
     printing why it failed."""
@@ -187,7 +188,7 @@ def child(env: Optional[Dict[str, str]] = None, timeout: Optional[float] = None,
     return results
 
 
-def stream_child(script: str, args: Sequence[str], env: Dict[str, str]) -> Iterator[Dict[str, Any]]:
+def stream_child(script: str, args: Sequence[str], env: dict[str, str]) -> Iterator[dict[str, Any]]:
     """Run ``script`` with ``args``; yield each result as the child prints it, report a failure at the end."""
     cmd = [sys.executable, os.path.abspath(script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -203,7 +204,7 @@ def stream_child(script: str, args: Sequence[str], env: Dict[str, str]) -> Itera
 # ---------------------------------------------------------------------------- output
 
 
-def md_table(headers: Union[str, Sequence[str]], rows: Sequence[Sequence[object]]) -> str:
+def md_table(headers: str | Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """``headers``: a list, or one string with the headers between ``|``."""
     headers = headers.split("|") if isinstance(headers, str) else headers
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

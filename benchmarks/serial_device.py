@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict
 
 import keras
 import numpy as np
@@ -24,7 +23,7 @@ import tensorflow as tf
 
 __all__ = ["SerialWork", "clear_work_log", "configure_threads", "work_log"]
 
-_LOCKS: Dict[int, threading.Lock] = {}
+_LOCKS: dict[int, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 # (device, kind, t_start, t_end) per host-function call while logging is on
 # (schedule_efficiency.py --record counts the B and W calls with it).

@@ -17,7 +17,8 @@ applied in one update with the layer's momentum.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Sequence, Set
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -27,10 +28,10 @@ from tf_gpipe import keras_compat
 __all__ = ["DeferredStats", "batch_norm_layers"]
 
 
-def batch_norm_layers(layers: Sequence[keras.layers.Layer]) -> List[keras.layers.BatchNormalization]:
+def batch_norm_layers(layers: Sequence[keras.layers.Layer]) -> list[keras.layers.BatchNormalization]:
     """Every BatchNormalization among ``layers`` and their sublayers (renorm excluded)."""
-    found: List[keras.layers.BatchNormalization] = []
-    seen: Set[int] = set()
+    found: list[keras.layers.BatchNormalization] = []
+    seen: set[int] = set()
     for layer in layers:
         for sub in keras_compat.nested_layers(layer):
             if isinstance(sub, keras.layers.BatchNormalization) and not sub.renorm and id(sub) not in seen:
@@ -52,10 +53,10 @@ class DeferredStats:
     """Pools BatchNormalization moments over the micro-batches of one mini-batch."""
 
     def __init__(self) -> None:
-        self._sums: Dict[int, List[tf.Tensor]] = {}
-        self._layers: Dict[int, keras.layers.BatchNormalization] = {}
+        self._sums: dict[int, list[tf.Tensor]] = {}
+        self._layers: dict[int, keras.layers.BatchNormalization] = {}
 
-    def skipped_variables(self, layers: Sequence[keras.layers.BatchNormalization]) -> Set[int]:
+    def skipped_variables(self, layers: Sequence[keras.layers.BatchNormalization]) -> set[int]:
         """ids of the moving statistics whose per-micro-batch writes must be dropped."""
         return {id(v) for bn in layers for v in (bn.moving_mean, bn.moving_variance)}
 
@@ -97,7 +98,7 @@ class DeferredStats:
         else:
             self._sums[key] = list(sums)
 
-    def sums(self) -> List[tuple]:
+    def sums(self) -> list[tuple]:
         """``(layer, [n, n*mean, n*(variance + mean^2)])`` per layer recorded so far.
 
         A stage function returns these for its micro-batch, so that the moments

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -35,7 +36,7 @@ def _call_parameters(layer: keras.layers.Layer) -> set:
 
 
 def _layer_kwargs(
-    layer: keras.layers.Layer, mask: Any, training: Optional[bool], side: Optional[dict] = None
+    layer: keras.layers.Layer, mask: Any, training: bool | None, side: dict | None = None
 ) -> dict:
     # The arguments keras.Sequential passes to each layer, plus any side input the
     # layer's call() names as a parameter.
@@ -61,11 +62,11 @@ class Cell:
 
     def __init__(self, index: int, layers: Sequence[keras.layers.Layer], device: str):
         self.index = index
-        self.layers: List[keras.layers.Layer] = list(layers)
+        self.layers: list[keras.layers.Layer] = list(layers)
         self.device = device
         self.jit_compile = False  # compile this stage's functions with XLA (PipelineModel.compile)
         self.run_eagerly = False  # run its layers op by op (compile(run_eagerly=True))
-        self._batch_norms: Optional[list] = None
+        self._batch_norms: list | None = None
 
     @property
     def batch_norms(self) -> list:
@@ -90,7 +91,7 @@ class Cell:
                     out.append(v)
         return out
 
-    def build(self, spec: Any, side: Optional[dict] = None) -> Any:
+    def build(self, spec: Any, side: dict | None = None) -> Any:
         """Build every layer on this cell's device; return the output spec (KerasTensors)."""
         for layer in self.layers:
             _move_variables(layer, self.device)
@@ -109,8 +110,8 @@ class Cell:
         return x
 
     def call(
-        self, inputs: Any, mask: Any, training: Optional[bool], side: Optional[dict] = None
-    ) -> Tuple[Any, Any]:
+        self, inputs: Any, mask: Any, training: bool | None, side: dict | None = None
+    ) -> tuple[Any, Any]:
         """Apply the layers in order; return ``(outputs, mask)`` as keras.Sequential would.
 
         ``side`` maps side-input names to this micro-batch's tensors; a layer gets

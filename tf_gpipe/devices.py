@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 
 __all__ = ["configure_virtual_cpus", "default_devices", "exact_float32", "resolve_devices"]
 
 
-def configure_virtual_cpus(n: int) -> List[str]:
+def configure_virtual_cpus(n: int) -> list[str]:
     """Split the host CPU into ``n`` logical CPU devices and return their names.
 
     Must run before TensorFlow initializes its devices (before the first op).
@@ -34,11 +34,11 @@ def configure_virtual_cpus(n: int) -> List[str]:
     return [d.name for d in tf.config.list_logical_devices("CPU")[:n]]
 
 
-def _available() -> List[str]:
+def _available() -> list[str]:
     return [d.name for d in tf.config.list_logical_devices()]
 
 
-def default_devices(num_stages: int) -> List[str]:
+def default_devices(num_stages: int) -> list[str]:
     """Visible GPUs, else logical CPUs, else CPU:0; assigned to stages round-robin.
 
     With fewer GPUs than stages, stage ``k`` goes to GPU ``k % num_gpus``: stages
@@ -95,7 +95,7 @@ def _matches(spec: tf.DeviceSpec, full: tf.DeviceSpec) -> bool:
     return True
 
 
-def resolve_devices(devices: Optional[Sequence[str]], num_stages: int) -> List[str]:
+def resolve_devices(devices: Sequence[str] | None, num_stages: int) -> list[str]:
     """Check user device strings against TensorFlow's devices; one per stage.
 
     Accepts the forms TensorFlow accepts ("GPU:1", "/gpu:1", "/device:CPU:0",

@@ -16,7 +16,8 @@ backward: simple and exact, not free); a stage on a tape keeps it, persistent, u
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -29,8 +30,8 @@ __all__ = ["accumulate", "run_schedule"]
 # Loss hooks the model supplies. Either the whole mini-batch loss once every forward
 # is done (fill-drain only), or a loss per micro-batch right after its last forward.
 # Both get the Keras masks of the outputs too: a loss over padded sequences needs them.
-BatchLossFn = Callable[[List[Any], List[Any]], List[List[Optional[tf.Tensor]]]]
-MicroLossFn = Callable[[int, Any, Any], List[Optional[tf.Tensor]]]
+BatchLossFn = Callable[[list[Any], list[Any]], list[list[tf.Tensor | None]]]
+MicroLossFn = Callable[[int, Any, Any], list[tf.Tensor | None]]
 
 
 def accumulate(total, g):
@@ -60,7 +61,7 @@ def _after(deps: Sequence[Any], structure: Any) -> Any:
 _CALLS = ("StatefulPartitionedCall", "PartitionedCall")
 
 
-def _done(*structures: Any) -> List[tf.Tensor]:
+def _done(*structures: Any) -> list[tf.Tensor]:
     """Tensors that are ready once every tensor of ``structures`` is computed.
 
     Each is read through an Identity: a control dependency on a function's output
@@ -83,7 +84,7 @@ def _done(*structures: Any) -> List[tf.Tensor]:
     return out
 
 
-def _whole_batch_grads(schedule: Any, batch_loss: Optional[BatchLossFn], outputs, out_masks):
+def _whole_batch_grads(schedule: Any, batch_loss: BatchLossFn | None, outputs, out_masks):
     """The last stage's output gradients of every micro-batch, from the whole mini-batch's loss."""
     if batch_loss is None:
         raise ValueError(
@@ -104,15 +105,15 @@ def run_schedule(
     schedule: Any,
     cells: Sequence[Cell],
     split: Split,
-    masks: List[Any],
+    masks: list[Any],
     rematerializes: Callable[[int], bool],
-    sides: Optional[List[Any]] = None,
-    batch_loss: Optional[BatchLossFn] = None,
-    micro_loss: Optional[MicroLossFn] = None,
-    cell_loss_grads: Optional[Sequence[tf.Tensor]] = None,
+    sides: list[Any] | None = None,
+    batch_loss: BatchLossFn | None = None,
+    micro_loss: MicroLossFn | None = None,
+    cell_loss_grads: Sequence[tf.Tensor] | None = None,
     tracer: Any = None,
     deferred: Any = None,
-) -> Tuple[List[Any], List[Any], Dict[int, Any], List[List[tf.Tensor]]]:
+) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]]]:
     """Build one training step of ``schedule`` over ``cells``.
 
     Args:
@@ -139,20 +140,20 @@ def run_schedule(
             f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
             f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
         )
-    records: Dict[Tuple[int, int], remat.Record] = {}
-    grads_in: Dict[Tuple[int, int], List[Optional[tf.Tensor]]] = {}
-    outputs: List[Any] = [None] * M
-    out_masks: List[Any] = [None] * M
-    rows: Dict[int, Any] = {}  # id(variable) -> gradient not in a sum variable (rows, or M = 1)
-    summed: Dict[int, tf.Tensor] = {}  # stage -> token of its latest addition to its gradient sums
-    last: Dict[int, List[tf.Tensor]] = {}  # device -> what its previous action produced
-    cell_losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
+    records: dict[tuple[int, int], remat.Record] = {}
+    grads_in: dict[tuple[int, int], list[tf.Tensor | None]] = {}
+    outputs: list[Any] = [None] * M
+    out_masks: list[Any] = [None] * M
+    rows: dict[int, Any] = {}  # id(variable) -> gradient not in a sum variable (rows, or M = 1)
+    summed: dict[int, tf.Tensor] = {}  # stage -> token of its latest addition to its gradient sums
+    last: dict[int, list[tf.Tensor]] = {}  # device -> what its previous action produced
+    cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
     # Split schedules: (record, output gradients, loss gradients) from each B, kept for its W.
     halves = bool(getattr(schedule, "split_backward", False))
-    weights_due: Dict[Tuple[int, int], Tuple[remat.Record, Any, List[Any]]] = {}
+    weights_due: dict[tuple[int, int], tuple[remat.Record, Any, list[Any]]] = {}
     names = {"B": "backward", "W": "weight_grads"}
 
-    def mark(label: str, device: int, deps: List[tf.Tensor]) -> List[tf.Tensor]:
+    def mark(label: str, device: int, deps: list[tf.Tensor]) -> list[tf.Tensor]:
         if tracer is None:
             return deps
         return [tracer.marker(label, device, deps)]
@@ -208,8 +209,8 @@ def run_schedule(
             variables = cell.trainable_variables if weight_half else []
             # With one micro-batch there is nothing to sum: the gradients are returned.
             to_sums = M > 1 and weight_half
-            grads: List[Any] = []
-            in_grads: List[Any] = []
+            grads: list[Any] = []
+            in_grads: list[Any] = []
             with tf.name_scope(f"stage{s}_mb{m}_{names[action.kind]}"), tf.device(cell.device):
                 deps = last.get(d, []) + _done(dy)
                 if to_sums and s not in summed:  # the stage's first addition: its sums start at 0
@@ -241,7 +242,7 @@ def run_schedule(
             with tf.device(cell.device):
                 token = summed.get(s) if weight_half else None
                 last[d] = mark("end " + tag, d, _done(in_grads, token, grads) or start)
-    totals: Dict[int, Any] = dict(rows)
+    totals: dict[int, Any] = dict(rows)
     for s, token in summed.items():
         totals.update(stage.functions(cells[s]).read_sums(_done(token)))
     return outputs, out_masks, totals, cell_losses

@@ -20,7 +20,8 @@ before TensorFlow starts, with a message that names the flag.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, TypeAlias
 
 from absl import flags
 
@@ -51,7 +52,7 @@ FLAG_NAMES = (
     "virtual_cpus",
 )
 
-Balance = Union[List[int], str, None]
+Balance: TypeAlias = list[int] | str | None
 
 
 class _BalanceParser(flags.ArgumentParser):
@@ -82,7 +83,7 @@ class _BalanceParser(flags.ArgumentParser):
             ) from None
         return self._check(values)
 
-    def _check(self, values: List[Any]) -> List[int]:
+    def _check(self, values: list[Any]) -> list[int]:
         if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
             raise ValueError(f"every entry must be a positive integer (layers per stage), got {values!r}")
         return list(values)
@@ -105,7 +106,7 @@ def _given(flag_values: flags.FlagValues, name: str) -> bool:
     return not flag_values[name].using_default_value
 
 
-def _num_stages(values: Mapping[str, Any], flag_values: flags.FlagValues) -> Optional[int]:
+def _num_stages(values: Mapping[str, Any], flag_values: flags.FlagValues) -> int | None:
     """K as PipelineModel will see it from these flags, or None where it cannot tell yet."""
     balance, devices, v = values["balance"], values["devices"], values["virtual_stages"] or 1
     if isinstance(balance, list) and not _given(flag_values, "num_stages"):
@@ -116,7 +117,7 @@ def _num_stages(values: Mapping[str, Any], flag_values: flags.FlagValues) -> Opt
 
 
 def define_pipeline_flags(
-    flag_values: flags.FlagValues = flags.FLAGS, defaults: Optional[Mapping[str, Any]] = None
+    flag_values: flags.FlagValues = flags.FLAGS, defaults: Mapping[str, Any] | None = None
 ) -> None:
     """Define the flags that configure a ``tf_gpipe.PipelineModel`` (and the demo devices).
 
@@ -157,7 +158,7 @@ def define_pipeline_flags(
             f"tf_gpipe.flags: unknown flag names in defaults: {unknown}; the pipeline flags are "
             f"{list(FLAG_NAMES)}."
         )
-    d: Dict[str, Any] = {
+    d: dict[str, Any] = {
         "num_stages": None,
         "num_micro_batches": 1,
         "devices": None,
@@ -245,7 +246,7 @@ def define_pipeline_flags(
         flag_values=fv,
     )
 
-    def check_virtual_stages(values: Dict[str, Any]) -> bool:
+    def check_virtual_stages(values: dict[str, Any]) -> bool:
         if values["virtual_stages"] and values["virtual_stages"] > 1 and values["schedule"] != "interleaved":
             raise flags.ValidationError(
                 f"--virtual_stages={values['virtual_stages']} needs --schedule=interleaved "
@@ -253,7 +254,7 @@ def define_pipeline_flags(
             )
         return True
 
-    def check_stage_counts(values: Dict[str, Any]) -> bool:
+    def check_stage_counts(values: dict[str, Any]) -> bool:
         balance, devices, v = values["balance"], values["devices"], values["virtual_stages"] or 1
         k = values["num_stages"]
         if isinstance(balance, list):
@@ -282,7 +283,7 @@ def define_pipeline_flags(
             )
         return True
 
-    def check_interleaved(values: Dict[str, Any]) -> bool:
+    def check_interleaved(values: dict[str, Any]) -> bool:
         if values["schedule"] != "interleaved":
             return True
         k, m = _num_stages(values, fv) or 1, values["num_micro_batches"]
@@ -303,7 +304,7 @@ def define_pipeline_flags(
     flags.register_multi_flags_validator(names, check_interleaved, flag_values=fv)
 
 
-def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> Dict[str, Any]:
+def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
     """Keyword arguments for ``tf_gpipe.PipelineModel`` from parsed pipeline flags.
 
     ``PipelineModel(layers, **pipeline_kwargs(FLAGS))``. An empty ``--devices``
@@ -339,7 +340,7 @@ def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> Dict[str, An
     }
 
 
-def setup_devices(flag_values: flags.FlagValues = flags.FLAGS) -> Optional[List[str]]:
+def setup_devices(flag_values: flags.FlagValues = flags.FLAGS) -> list[str] | None:
     """Make the ``--virtual_cpus`` logical CPUs; call first thing in ``main``.
 
     Must run before TensorFlow initializes its devices (before the first op).
@@ -373,7 +374,7 @@ def parse_bytes(text: str) -> int:
 class _BytesParser(flags.ArgumentParser):
     syntactic_help = "bytes, or a number with a unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB"
 
-    def parse(self, argument: Any) -> Optional[int]:
+    def parse(self, argument: Any) -> int | None:
         if argument in (None, ""):
             return None
         return argument if isinstance(argument, int) else parse_bytes(argument)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 from keras import tree
@@ -39,8 +40,8 @@ class GraphStage(keras.layers.Layer):
         self,
         source: keras.Model,
         nodes: Sequence[Any],
-        in_keys: Dict[str, int],
-        out_keys: Dict[str, int],
+        in_keys: dict[str, int],
+        out_keys: dict[str, int],
         first: bool,
         last: bool,
         **kwargs: Any,
@@ -58,7 +59,7 @@ class GraphStage(keras.layers.Layer):
         self.stage_ops = ops  # tracked: this stage owns these layers' weights
         self.built = True
 
-    def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
         source = self._source()
         if self._first:
             flat = keras_compat.standardize_inputs(source, inputs)
@@ -77,7 +78,7 @@ class GraphStage(keras.layers.Layer):
         return {k: values[i] for k, i in self._out_keys.items()}
 
 
-def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage") -> List[GraphStage]:
+def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage") -> list[GraphStage]:
     """Cut ``model``'s nodes into ``len(balance)`` consecutive stages of ``balance[i]`` nodes."""
     nodes = graph_nodes(model)
     if sum(balance) != len(nodes):
@@ -91,19 +92,19 @@ def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage")
         start += size
     check_tied_layers([[node.operation for node in group] for group in groups])
     # Which tensor each cut must carry: produced before it, used at or after it.
-    produced_before: List[set] = []
+    produced_before: list[set] = []
     seen = {id(x) for x in model.inputs}
     for group in groups:
         produced_before.append(set(seen))
         for node in group:
             seen.update(id(x) for x in node.outputs)
-    needed_from: List[set] = [set() for _ in groups]
+    needed_from: list[set] = [set() for _ in groups]
     later = {id(x) for x in model.outputs}
     for k in range(len(groups) - 1, -1, -1):
         for node in groups[k]:
             later.update(id(x) for x in node.input_tensors)
         needed_from[k] = set(later)
-    index: Dict[int, int] = {}
+    index: dict[int, int] = {}
 
     def keys(ids):
         for i in sorted(ids, key=lambda t: index.setdefault(t, len(index))):
@@ -128,7 +129,7 @@ def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage")
     return stages
 
 
-def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: int = 5) -> List[float]:
+def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: int = 5) -> list[float]:
     """A cost per node of ``graph_nodes(model)`` for balancing ``from_model`` stages.
 
     ``"params"``: parameter count (a layer used twice counts once). ``"memory"``:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -131,7 +132,7 @@ def call_takes_training(layer: keras.layers.Layer) -> bool:
     return bool(_attribute(layer, "_call_has_training_arg", why))
 
 
-def nested_layers(obj: Any) -> List[Any]:
+def nested_layers(obj: Any) -> list[Any]:
     """``obj`` and every layer inside it (sublayers, nested models), ``obj`` first.
 
     A ``keras.Operation`` that is not a layer (an op node of a functional model) has no
@@ -242,7 +243,7 @@ def suspend_stateless_scope() -> Iterator[None]:
         put("stateless_scope", saved)
 
 
-def current_stateless_scope() -> Optional[keras.StatelessScope]:
+def current_stateless_scope() -> keras.StatelessScope | None:
     """The innermost active ``keras.StatelessScope``, or None. Uses
     ``keras.src.backend.common.stateless_scope.get_stateless_scope`` (no public getter)."""
     why = "read a variable as the enclosing StatelessScope maps it"
@@ -261,7 +262,7 @@ class RecordingScope(keras.StatelessScope):
     def __init__(self, state_mapping: Any = None) -> None:
         overridable(keras.StatelessScope, "add_update", _REPLAY)
         super().__init__(state_mapping, collect_losses=True, initialize_variables=False)
-        self.written: Dict[int, Any] = {}
+        self.written: dict[int, Any] = {}
 
     def add_update(self, update: Any) -> None:
         self.written[id(update[0])] = update[0]
@@ -272,7 +273,7 @@ class RecordingScope(keras.StatelessScope):
 _DEFERRED = "defer BatchNormalization's moving statistics to one update per mini-batch"
 
 
-def batch_norm_reduction_axes(bn: keras.layers.BatchNormalization) -> List[int]:
+def batch_norm_reduction_axes(bn: keras.layers.BatchNormalization) -> list[int]:
     """The axes a built BatchNormalization layer pools its moments over.
     Uses ``BatchNormalization._reduction_axes`` (set in ``build``)."""
     return list(_attribute(bn, "_reduction_axes", _DEFERRED))
@@ -309,7 +310,7 @@ def _is_functional(model: Any) -> bool:
     return any(cls.__name__ == "Functional" for cls in type(model).__mro__)
 
 
-def functional_nodes(model: Any) -> Optional[list]:
+def functional_nodes(model: Any) -> list | None:
     """The computation nodes of a functional model in the order Keras runs them, inputs excluded.
 
     None for a model without a graph (subclassed, or a Sequential not yet built). Uses
@@ -328,7 +329,7 @@ def functional_nodes(model: Any) -> Optional[list]:
     return nodes
 
 
-def node_arguments(node: Any, values: Dict[int, Any]) -> tuple:
+def node_arguments(node: Any, values: dict[int, Any]) -> tuple:
     """``(args, kwargs)`` of ``node``'s call, its symbolic inputs replaced by ``values[id(x)]``.
 
     Uses ``Node.arguments.fill_in``, as ``Functional.call`` does.
@@ -336,7 +337,7 @@ def node_arguments(node: Any, values: Dict[int, Any]) -> tuple:
     return _attribute(_attribute(node, "arguments", _GRAPH), "fill_in", _GRAPH)(values)
 
 
-def operation_caller(operation: Any, training: Optional[bool]) -> Callable[..., Any]:
+def operation_caller(operation: Any, training: bool | None) -> Callable[..., Any]:
     """``operation`` as ``Functional.call`` runs it, with ``training`` passed explicitly.
 
     Keras 3.15 did this with ``keras.src.models.functional.operation_fn``; 3.16 removed it
@@ -398,7 +399,7 @@ def loss_tracker(model: keras.Model) -> Any:
     return _attribute(model, "_loss_tracker", "report the loss of a custom training step")
 
 
-def set_initial_epoch(model: keras.Model, epoch: Optional[int]) -> None:
+def set_initial_epoch(model: keras.Model, epoch: int | None) -> None:
     """Make the running ``fit`` start at ``epoch`` (None: from its own argument again).
 
     Uses ``Trainer._initial_epoch``, as ``keras.callbacks.BackupAndRestore`` does.

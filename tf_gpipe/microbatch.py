@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any
 
 import tensorflow as tf
 
@@ -27,15 +28,15 @@ class Split:
             (``nonempty`` is False for it; ``merge`` drops its rows).
     """
 
-    chunks: List[Any]
-    sizes: List[Union[int, tf.Tensor]]
+    chunks: list[Any]
+    sizes: list[int | tf.Tensor]
     static: bool
     padded: bool = False
 
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def nonempty(self, m: int) -> Optional[tf.Tensor]:
+    def nonempty(self, m: int) -> tf.Tensor | None:
         """A boolean tensor telling whether micro-batch ``m`` holds real examples.
 
         ``None`` when it is known while tracing to hold some.
@@ -49,7 +50,7 @@ class Split:
         """The same cut of element ``index`` of every chunk (chunks are tuples)."""
         return replace(self, chunks=[c[index] for c in self.chunks])
 
-    def merge(self, outputs: Sequence[Any], masks: Optional[Sequence[Any]] = None) -> Any:
+    def merge(self, outputs: Sequence[Any], masks: Sequence[Any] | None = None) -> Any:
         """Concatenate per-micro-batch ``outputs`` (and their Keras ``masks``) in order,
         keeping only real examples."""
         if self.padded:
@@ -59,17 +60,17 @@ class Split:
         return merge(outputs, masks)
 
     @staticmethod
-    def _real(structure: Any, n: Union[int, tf.Tensor]) -> Any:
+    def _real(structure: Any, n: int | tf.Tensor) -> Any:
         return tf.nest.map_structure(lambda t: _head(t, n), structure)
 
 
-def _head(t: Any, n: Union[int, tf.Tensor]) -> Any:
+def _head(t: Any, n: int | tf.Tensor) -> Any:
     if t is None or len(t.shape) == 0:  # merge() names the scalar problem
         return t
     return t[:n]
 
 
-def _batch_tensors(structure: Any) -> List[tf.Tensor]:
+def _batch_tensors(structure: Any) -> list[tf.Tensor]:
     flat = [t for t in tf.nest.flatten(structure) if t is not None]
     if not flat:
         raise ValueError(
@@ -141,7 +142,7 @@ def split(structure: Any, num_micro_batches: int, multiple_of: int = 1) -> Split
             "every input tensor must have the same number of examples."
         )
     M = num_micro_batches
-    sizes: List[Union[int, tf.Tensor]]
+    sizes: list[int | tf.Tensor]
     if known:
         n = known[0]
         count = _count(n, M, multiple_of)
@@ -188,7 +189,7 @@ def _attach_mask(outputs: Any, mask: Any) -> Any:
     return outputs
 
 
-def merge(chunks: Sequence[Any], masks: Optional[Sequence[Any]] = None) -> Any:
+def merge(chunks: Sequence[Any], masks: Sequence[Any] | None = None) -> Any:
     """Concatenate per-micro-batch structures back into one mini-batch, in order.
 
     With ``masks`` (each micro-batch's Keras mask), the merged outputs carry the merged mask.
@@ -198,7 +199,7 @@ def merge(chunks: Sequence[Any], masks: Optional[Sequence[Any]] = None) -> Any:
     if len(chunks) == 1:
         return chunks[0]
     flats = [tf.nest.flatten(c) for c in chunks]
-    merged: List[Any] = []
+    merged: list[Any] = []
     for parts in zip(*flats):
         if parts[0] is None:
             merged.append(None)

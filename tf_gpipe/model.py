@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -112,11 +113,11 @@ class PipelineModel(keras.Model):
 
     def __init__(
         self,
-        layers: Union[Sequence[keras.layers.Layer], keras.Sequential],
-        num_stages: Optional[int] = None,
-        balance: Optional[Sequence[int]] = None,
+        layers: Sequence[keras.layers.Layer] | keras.Sequential,
+        num_stages: int | None = None,
+        balance: Sequence[int] | None = None,
         num_micro_batches: int = 1,
-        devices: Optional[Sequence[str]] = None,
+        devices: Sequence[str] | None = None,
         remat: str = "always",
         schedule: str = "gpipe",
         virtual_stages: int = 1,
@@ -195,7 +196,7 @@ class PipelineModel(keras.Model):
         self._num_devices = num_stages
         self._tracer = None
         self._source_model = None  # set by from_model
-        self._node_balance: Optional[List[int]] = None
+        self._node_balance: list[int] | None = None
         # XLA over the whole model would fuse every stage into one cluster on one device:
         # compile(jit_compile=...) compiles stage by stage instead (stage_jit).
         self.supports_jit = False
@@ -214,7 +215,7 @@ class PipelineModel(keras.Model):
         cls,
         model: keras.Model,
         num_stages: int = 1,
-        balance: Optional[Union[Sequence[int], str]] = None,
+        balance: Sequence[int] | str | None = None,
         virtual_stages: int = 1,
         **kwargs: Any,
     ) -> PipelineModel:
@@ -251,7 +252,7 @@ class PipelineModel(keras.Model):
             model = keras_compat.sequential_functional(model)
         nodes = graph.graph_nodes(model)
         cells = num_stages * virtual_stages
-        node_balance: List[int]
+        node_balance: list[int]
         if balance is None:
             node_balance = [len(g) for g in split_by_balance(nodes, cells, None)]
         elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
@@ -281,12 +282,12 @@ class PipelineModel(keras.Model):
         return self._num_devices
 
     @property
-    def devices(self) -> List[str]:
+    def devices(self) -> list[str]:
         """The device of each of the K pipeline positions, canonical form."""
         return [c.device for c in self._pipeline.cells[: self._num_devices]]
 
     @property
-    def cells(self) -> List[Cell]:
+    def cells(self) -> list[Cell]:
         """The stages: their layers and devices."""
         return list(self._pipeline.cells)
 
@@ -298,7 +299,7 @@ class PipelineModel(keras.Model):
             spec = cell.build(spec, side)
         self.built = True
 
-    def _separate(self, inputs: Any) -> Tuple[Any, Optional[dict]]:
+    def _separate(self, inputs: Any) -> tuple[Any, dict | None]:
         """Split the model's inputs into the main input and the side inputs."""
         if not self.side_inputs:
             return inputs, None
@@ -351,7 +352,7 @@ class PipelineModel(keras.Model):
         joint = microbatch.split((main, mask, side), self.num_micro_batches)
         return joint.select(0), [c[1] for c in joint.chunks], [c[2] for c in joint.chunks]
 
-    def call(self, inputs: Any, training: Optional[bool] = None, mask: Any = None) -> Any:
+    def call(self, inputs: Any, training: bool | None = None, mask: Any = None) -> Any:
         xs, masks, sides = self._split(inputs, mask)
         acts, out_masks, losses = self._pipeline.call(xs, masks, training, sides)
         outputs = xs.merge(acts, out_masks)
@@ -421,7 +422,7 @@ class PipelineModel(keras.Model):
     def from_config(cls, config: dict, custom_objects: Any = None) -> PipelineModel:
         return saving.from_config(cls, config, custom_objects)
 
-    def to_sequential(self, name: Optional[str] = None) -> keras.Sequential:
+    def to_sequential(self, name: str | None = None) -> keras.Sequential:
         """An unsplit ``keras.Sequential`` copy of the layers, with the current weights.
 
         Train pipelined, serve unsplit: the copy has no device placement and no

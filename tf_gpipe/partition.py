@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Optional, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import keras
 
@@ -14,7 +15,7 @@ __all__ = ["balance_by_cost", "check_tied_layers", "even_balance", "split_by_bal
 T = TypeVar("T")
 
 
-def even_balance(num_layers: int, num_stages: int) -> List[int]:
+def even_balance(num_layers: int, num_stages: int) -> list[int]:
     """Layers per stage for an even split by layer count; earlier stages take the remainder.
 
     Example: ``even_balance(10, 4) == [3, 3, 2, 2]``.
@@ -34,8 +35,8 @@ def even_balance(num_layers: int, num_stages: int) -> List[int]:
 
 
 def split_by_balance(
-    items: Sequence[T], num_stages: Optional[int], balance: Optional[Sequence[int]]
-) -> List[List[T]]:
+    items: Sequence[T], num_stages: int | None, balance: Sequence[int] | None
+) -> list[list[T]]:
     """Cut ``items`` into consecutive groups: ``balance`` sizes if given, else an even split."""
     n = len(items)
     if balance is None:
@@ -71,7 +72,7 @@ def split_by_balance(
     return groups
 
 
-def _nested(item: Any) -> List[Any]:
+def _nested(item: Any) -> list[Any]:
     """``item`` and every layer inside it (sublayers, nested models), ``item`` first."""
     return keras_compat.nested_layers(item)
 
@@ -148,7 +149,7 @@ def unpack_layers(layers: Any):
     return layers, spec
 
 
-def balance_by_cost(method: str, layers: list, spec: Any, num_stages: Optional[int], v: int) -> List[int]:
+def balance_by_cost(method: str, layers: list, spec: Any, num_stages: int | None, v: int) -> list[int]:
     from tf_gpipe import balance as balance_lib
 
     if num_stages is None:

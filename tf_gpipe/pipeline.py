@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -30,7 +31,7 @@ class Pipeline:
         self.remat = remat
         self.deferred_batch_norm = deferred_batch_norm
 
-    def deferred_stats(self, training: Optional[bool]) -> Optional[DeferredStats]:
+    def deferred_stats(self, training: bool | None) -> DeferredStats | None:
         """A pool for this mini-batch's BatchNormalization moments, if they are deferred."""
         if training and self.deferred_batch_norm and any(c.batch_norms for c in self.cells):
             return DeferredStats()
@@ -44,8 +45,8 @@ class Pipeline:
         return False
 
     def call(
-        self, split: Split, masks: List[Any], training: Optional[bool], sides: Optional[List[Any]] = None
-    ) -> Tuple[List[Any], List[Any], List[List[tf.Tensor]]]:
+        self, split: Split, masks: list[Any], training: bool | None, sides: list[Any] | None = None
+    ) -> tuple[list[Any], list[Any], list[list[tf.Tensor]]]:
         """Forward every micro-batch through every cell in fill-drain order.
 
         Any enclosing tape differentiates through it (re-materializing where
@@ -55,7 +56,7 @@ class Pipeline:
         M, S = len(split), len(self.cells)
         acts = list(split.chunks)
         masks = list(masks)
-        losses: List[List[tf.Tensor]] = [[] for _ in range(M)]
+        losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
         deferred = self.deferred_stats(training)
         sides = list(sides) if sides is not None else [None] * M
         for tick in clock_cycles(S, M):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import tensorflow as tf
 
@@ -71,13 +72,13 @@ class Record:
     mask: Any
     outputs: Any
     out_mask: Any
-    losses: List[tf.Tensor]
-    replay_state: List[Tuple[Any, tf.Tensor]] = field(default_factory=list)
-    tape: Optional[tf.GradientTape] = None  # set when the cell is not re-materialized
-    nonempty: Optional[tf.Tensor] = None
-    side: Optional[dict] = None  # side inputs of this micro-batch (not differentiated)
-    before: List[tf.Tensor] = field(default_factory=list)  # written variables' values, for the replay
-    training: Optional[bool] = None
+    losses: list[tf.Tensor]
+    replay_state: list[tuple[Any, tf.Tensor]] = field(default_factory=list)
+    tape: tf.GradientTape | None = None  # set when the cell is not re-materialized
+    nonempty: tf.Tensor | None = None
+    side: dict | None = None  # side inputs of this micro-batch (not differentiated)
+    before: list[tf.Tensor] = field(default_factory=list)  # written variables' values, for the replay
+    training: bool | None = None
     deferred: bool = False
 
 
@@ -85,11 +86,11 @@ def forward(
     cell: Cell,
     inputs: Any,
     mask: Any,
-    training: Optional[bool],
+    training: bool | None,
     remat: bool,
     nonempty=None,
     deferred=None,
-    side: Optional[dict] = None,
+    side: dict | None = None,
     persistent: bool = False,
 ) -> Record:
     """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
@@ -130,7 +131,7 @@ def forward(
     )
 
 
-def _float_tensors(structure: Any) -> List[tf.Tensor]:
+def _float_tensors(structure: Any) -> list[tf.Tensor]:
     return [
         t
         for t in tf.nest.flatten(structure)
@@ -138,7 +139,7 @@ def _float_tensors(structure: Any) -> List[tf.Tensor]:
     ]
 
 
-def _replay(cell: Cell, record: Record, training: Optional[bool]) -> Tuple[Any, List[tf.Tensor]]:
+def _replay(cell: Cell, record: Record, training: bool | None) -> tuple[Any, list[tf.Tensor]]:
     with _recomputing(), keras_compat.RecordingScope(record.replay_state) as scope:
         outputs, _ = cell.call(record.inputs, record.mask, training, record.side)
     return outputs, list(scope.losses)
@@ -157,15 +158,15 @@ def _mask_grad(g, nonempty):
 def backward(
     cell: Cell,
     record: Record,
-    output_grads: Sequence[Optional[tf.Tensor]],
-    loss_grads: Sequence[Optional[tf.Tensor]],
-    training: Optional[bool],
+    output_grads: Sequence[tf.Tensor | None],
+    loss_grads: Sequence[tf.Tensor | None],
+    training: bool | None,
     variables: Sequence[Any],
     need_input_grads: bool = True,
     tracer: Any = None,
     to_sums: bool = False,
     need_weight_grads: bool = True,
-) -> Tuple[List[Optional[tf.Tensor]], Any]:
+) -> tuple[list[tf.Tensor | None], Any]:
     """Gradients of one (cell, micro-batch) w.r.t. its float inputs and ``variables``.
 
     ``output_grads`` follow ``tf.nest.flatten(record.outputs)``; ``loss_grads``
@@ -232,7 +233,7 @@ def backward(
     return in_grads, var_grads
 
 
-def float_positions(flat: List[Any]) -> List[int]:
+def float_positions(flat: list[Any]) -> list[int]:
     """Positions of the float tensors in ``flat``: the inputs that get a gradient."""
     return [
         i
@@ -244,14 +245,14 @@ def float_positions(flat: List[Any]) -> List[int]:
 def tape_gradients(
     tape: tf.GradientTape,
     targets: Sequence[Any],
-    target_grads: Sequence[Optional[tf.Tensor]],
-    flat_in: List[Any],
-    float_pos: List[int],
-    sources_in: List[tf.Tensor],
+    target_grads: Sequence[tf.Tensor | None],
+    flat_in: list[Any],
+    float_pos: list[int],
+    sources_in: list[tf.Tensor],
     variables: Sequence[Any],
     need_input_grads: bool,
     nonempty: Any,
-) -> Tuple[List[Optional[tf.Tensor]], List[Optional[tf.Tensor]]]:
+) -> tuple[list[tf.Tensor | None], list[tf.Tensor | None]]:
     """``tape``'s gradients of ``targets`` (weighted by ``target_grads``, None = unused)
     w.r.t. ``sources_in`` and ``variables``: input grads laid out like ``flat_in`` (None
     for non-float inputs), variable grads zeroed for an empty micro-batch."""
@@ -267,7 +268,7 @@ def tape_gradients(
     else:
         result = [None] * len(sources)
     n_in = len(sources_in) if need_input_grads else 0
-    input_grads: List[Optional[tf.Tensor]] = [None] * len(flat_in)
+    input_grads: list[tf.Tensor | None] = [None] * len(flat_in)
     for i, g in zip(float_pos, result[:n_in]):
         input_grads[i] = g
     return input_grads, [_mask_grad(g, nonempty) for g in result[n_in:]]
@@ -277,11 +278,11 @@ def rematerialized(
     cell: Cell,
     inputs: Any,
     mask: Any,
-    training: Optional[bool],
+    training: bool | None,
     nonempty=None,
     deferred=None,
-    side: Optional[dict] = None,
-) -> Tuple[Any, Any, List[tf.Tensor]]:
+    side: dict | None = None,
+) -> tuple[Any, Any, list[tf.Tensor]]:
     """Forward one (cell, micro-batch) so that any enclosing tape re-materializes it.
 
     Used where the caller differentiates through ``PipelineModel.__call__`` (a
@@ -309,7 +310,7 @@ def rematerialized(
 
         def grad(*dys, variables=None):
             dys = list(dys)
-            out_grads: List[Optional[tf.Tensor]] = [None] * meta["n_out"]
+            out_grads: list[tf.Tensor | None] = [None] * meta["n_out"]
             for i, g in zip(meta["out_pos"], dys[: len(meta["out_pos"])]):
                 out_grads[i] = g
             loss_grads = dys[len(meta["out_pos"]) :] if n_losses else []

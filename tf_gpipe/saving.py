@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -93,7 +93,7 @@ def from_config(cls: Any, config: dict, custom_objects: Any = None) -> Any:
     return cls(layers=layers, **config)
 
 
-def to_sequential(model: Any, name: Optional[str] = None) -> keras.Sequential:
+def to_sequential(model: Any, name: str | None = None) -> keras.Sequential:
     """An unsplit ``keras.Sequential`` copy of the layers, with the current weights.
 
     Train pipelined, serve unsplit: the copy has no device placement and no

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import tensorflow as tf
 
@@ -38,7 +38,7 @@ def stage_supports_jit(cell: Cell) -> bool:
     )
 
 
-def choose_jit(cells: List[Cell], jit_compile: Any, run_eagerly: bool = False) -> List[bool]:
+def choose_jit(cells: list[Cell], jit_compile: Any, run_eagerly: bool = False) -> list[bool]:
     """Decide, stage by stage, what ``compile(jit_compile=...)`` means; set ``cell.jit_compile``.
 
     ``"auto"``: XLA where Keras would compile a model (a GPU or TPU is visible, every
@@ -108,7 +108,7 @@ class StageFunctions:
         self.cell = cell
         self.jit_compile = jit_compile
         self.eager = eager
-        self.traces: Dict[str, int] = {"forward": 0, "backward": 0, "sum": 0}
+        self.traces: dict[str, int] = {"forward": 0, "backward": 0, "sum": 0}
         # (need_input_grads, need_weight_grads) of each backward traced: a split schedule's
         # B and W are traced apart, (True, False) and (False, True), never as one (True, True).
         self.backward_halves: set = set()
@@ -116,13 +116,13 @@ class StageFunctions:
         # Kept on the cell: they outlive a remake of its functions (a new XLA choice).
         if not hasattr(cell, "_gradient_sums"):
             cell._gradient_sums = {}  # type: ignore[attr-defined]
-        self._sums: Dict[int, tf.Variable] = cell._gradient_sums  # type: ignore[attr-defined]
+        self._sums: dict[int, tf.Variable] = cell._gradient_sums  # type: ignore[attr-defined]
         # Found while tracing: the variables that get a gradient, and those that get rows.
         self.graded: set = set()
         self.sparse: set = set()
         # Per (training, deferred): the variables the forward writes, found while tracing.
-        self._written: Dict[Tuple[Any, bool], List[Any]] = {}
-        self._deferred_layers: Dict[Tuple[Any, bool], List[Any]] = {}
+        self._written: dict[tuple[Any, bool], list[Any]] = {}
+        self._deferred_layers: dict[tuple[Any, bool], list[Any]] = {}
         # Keras' own step functions skip autograph too; reduce_retracing lets the smaller
         # micro-batches of an uneven split share one trace.
         # ``_noinline``: Grappler would otherwise inline every call, and the step graph it
@@ -155,7 +155,7 @@ class StageFunctions:
     # does with ``.grad``). Summing the returned gradients in the step instead would add
     # K x M x weights ops to its graph (the first step growing with M), and would hold
     # a whole stage's gradients at once beside the running sum.
-    def sums(self, variables: List[Any]) -> List[tf.Variable]:
+    def sums(self, variables: list[Any]) -> list[tf.Variable]:
         """The gradient-sum variables of ``variables`` (made on first use, never saved)."""
         missing = [v for v in variables if id(v) not in self._sums]
         if missing:
@@ -174,7 +174,7 @@ class StageFunctions:
         with tf.device(self.cell.device):
             return self._zero()
 
-    def read_sums(self, after: List[tf.Tensor]) -> Dict[int, tf.Tensor]:
+    def read_sums(self, after: list[tf.Tensor]) -> dict[int, tf.Tensor]:
         """``{id(variable): summed dense gradient}`` for the variables that got one, read
         once every tensor of ``after`` is ready."""
         variables = self.cell.trainable_variables
@@ -185,9 +185,7 @@ class StageFunctions:
                 if id(v) in self.graded and id(v) not in self.sparse
             }
 
-    def add_to_sums(
-        self, grads: List[Optional[tf.Tensor]], nonempty: Any = None
-    ) -> Tuple[tf.Tensor, List[Any]]:
+    def add_to_sums(self, grads: list[tf.Tensor | None], nonempty: Any = None) -> tuple[tf.Tensor, list[Any]]:
         """Add gradients (following ``cell.trainable_variables``) to the sums, zeroed first
         for an empty micro-batch; returns ``(token, sparse gradients)`` as ``_add_grads``."""
         self.sums(self.cell.trainable_variables)
@@ -202,7 +200,7 @@ class StageFunctions:
         self.traces["sum"] += 1
         return self._add_grads([remat._mask_grad(g, nonempty) for g in grads])
 
-    def _add_grads(self, grads: List[Any]) -> Tuple[tf.Tensor, List[Any]]:
+    def _add_grads(self, grads: list[Any]) -> tuple[tf.Tensor, list[Any]]:
         """Add the dense gradients to their sums. Returns ``(token, sparse)``: the token is
         ready once every sum is added to; ``sparse`` holds the IndexedSlices gradients (an
         Embedding's rows), which are returned, not summed: Keras' optimizers update a
@@ -227,12 +225,12 @@ class StageFunctions:
         self,
         inputs: Any,
         mask: Any,
-        side: Optional[dict],
+        side: dict | None,
         nonempty: Any,
         training: Any,
         deferred: Any,
         taped: bool = False,
-    ) -> Tuple[Any, Any, List[tf.Tensor], List[tf.Tensor]]:
+    ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor]]:
         """Run the stage on one micro-batch, applying its variable updates once.
 
         ``taped``: the caller differentiates this call with a tape (no re-materialization);
@@ -292,10 +290,10 @@ class StageFunctions:
         self,
         inputs: Any,
         mask: Any,
-        side: Optional[dict],
-        before: List[tf.Tensor],
-        output_grads: List[Optional[tf.Tensor]],
-        loss_grads: List[Optional[tf.Tensor]],
+        side: dict | None,
+        before: list[tf.Tensor],
+        output_grads: list[tf.Tensor | None],
+        loss_grads: list[tf.Tensor | None],
         nonempty: Any,
         training: Any,
         deferred: bool,
@@ -303,7 +301,7 @@ class StageFunctions:
         tracer: Any = None,
         to_sums: bool = False,
         need_weight_grads: bool = True,
-    ) -> Tuple[List[Optional[tf.Tensor]], Any]:
+    ) -> tuple[list[tf.Tensor | None], Any]:
         """Replay the stage with the state its forward read, and differentiate the replay.
 
         Returns ``(input_grads, variable_grads)``: input grads follow
@@ -416,7 +414,7 @@ class StageFunctions:
             return in_grads, self._add_grads(var_grads)
 
 
-def _ready(ops: List[Any]) -> tf.Tensor:
+def _ready(ops: list[Any]) -> tf.Tensor:
     """A token that is ready once every op of ``ops`` has run."""
     with tf.control_dependencies(ops):
         return tf.constant(True)

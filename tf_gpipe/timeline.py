@@ -14,8 +14,9 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import tensorflow as tf
 
@@ -38,9 +39,9 @@ class Recorder:
     """Collects timestamped markers from the training step and turns them into spans."""
 
     def __init__(self) -> None:
-        self._events: List[Tuple[float, int, str]] = []
+        self._events: list[tuple[float, int, str]] = []
         self._lock = threading.Lock()
-        self._tokens: Dict[int, tf.Variable] = {}
+        self._tokens: dict[int, tf.Variable] = {}
 
     def marker(self, label: Any, device: int, deps: Sequence[tf.Tensor]) -> tf.Tensor:
         """A tensor that, when computed (after ``deps``), logs ``label`` with the time."""
@@ -78,11 +79,11 @@ class Recorder:
             self._events.clear()
 
     @property
-    def events(self) -> List[Tuple[float, int, str]]:
+    def events(self) -> list[tuple[float, int, str]]:
         with self._lock:
             return sorted(self._events)
 
-    def steps(self) -> List[List[Span]]:
+    def steps(self) -> list[list[Span]]:
         """Spans per recorded training step (a step starts at each F0 of stage 0)."""
         events = self.events
         starts = [i for i, (_, _, label) in enumerate(events) if label == "start F0@s0"]
@@ -90,11 +91,11 @@ class Recorder:
         return [self._spans(events[a:b]) for a, b in itertools.pairwise(bounds)]
 
     @staticmethod
-    def _spans(events: List[Tuple[float, int, str]]) -> List[Span]:
+    def _spans(events: list[tuple[float, int, str]]) -> list[Span]:
         if not events:
             return []
         t0 = events[0][0]
-        open_at: Dict[str, Tuple[float, int]] = {}
+        open_at: dict[str, tuple[float, int]] = {}
         spans = []
         for t, device, label in events:
             phase, tag = label.split(" ", 1)
@@ -113,7 +114,7 @@ class Recorder:
         return sorted(spans, key=lambda sp: (sp.device, sp.start))
 
 
-def live_stashes(spans: Sequence[Span]) -> Dict[int, int]:
+def live_stashes(spans: Sequence[Span]) -> dict[int, int]:
     """Peak number of micro-batches per device whose forward ended and last backward pass did not.
 
     That is the number of stage inputs the device holds for its backward passes:
@@ -127,8 +128,8 @@ def live_stashes(spans: Sequence[Span]) -> Dict[int, int]:
             events.append((sp.end, 1, sp.device))
         elif sp.kind == ("W" if sp.device in split else "B"):
             events.append((sp.end, -1, sp.device))
-    live: Dict[int, int] = {}
-    peak: Dict[int, int] = {}
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
     for _, delta, device in sorted(events, key=lambda e: (e[0], e[1])):
         live[device] = live.get(device, 0) + delta
         peak[device] = max(peak.get(device, 0), live[device])
@@ -157,7 +158,7 @@ def record(model: Any) -> Iterator[Recorder]:
         model.train_function = None
 
 
-def save_chrome_trace(spans: Sequence[Span], path: str, device_names: Optional[Sequence[str]] = None) -> None:
+def save_chrome_trace(spans: Sequence[Span], path: str, device_names: Sequence[str] | None = None) -> None:
     """Write spans as Chrome-trace JSON (open in Perfetto or chrome://tracing)."""
     names = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradient"}
     events = []
@@ -183,7 +184,7 @@ def save_chrome_trace(spans: Sequence[Span], path: str, device_names: Optional[S
 
 
 def save_gantt(
-    spans: Sequence[Span], path: str, title: str = "", device_names: Optional[Sequence[str]] = None
+    spans: Sequence[Span], path: str, title: str = "", device_names: Sequence[str] | None = None
 ) -> None:
     """Draw spans as a Gantt chart PNG (needs matplotlib)."""
     import matplotlib

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, NamedTuple
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -14,7 +14,7 @@ from tf_gpipe.executor import accumulate, run_schedule
 __all__ = ["Gradients", "gradients", "shares", "train_step"]
 
 
-def shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
+def shares(sizes: list[Any], batch_size: tf.Tensor) -> list[tf.Tensor]:
     """Each micro-batch's share n_m / N of the mini-batch.
 
     Losses that layers add are batch means (Keras divides activity regularization by
@@ -28,7 +28,7 @@ def shares(sizes: List[Any], batch_size: tf.Tensor) -> List[tf.Tensor]:
 class Gradients(NamedTuple):
     """What one mini-batch's schedule computed, before any optimizer update."""
 
-    grads: List[Any]  # per variable of model.trainable_weights (None: no gradient), loss-scaled
+    grads: list[Any]  # per variable of model.trainable_weights (None: no gradient), loss-scaled
     loss: tf.Tensor  # the mini-batch's loss, as fit reports it (not loss-scaled)
     y_pred: Any  # the last stage's outputs, micro-batches merged
     batch_size: tf.Tensor
@@ -241,7 +241,7 @@ def _micro_batch_loss(model: Any, loss_model: Any, y_m, out_m, mask_m, sw_m, n_m
     return value * valid, valid
 
 
-def _valid_factor(model: Any, valid: List[tf.Tensor], cell_losses) -> tf.Tensor:
+def _valid_factor(model: Any, valid: list[tf.Tensor], cell_losses) -> tf.Tensor:
     """1 / (the mini-batch's fraction of valid mask positions): what turns the summed
     masked losses, and their gradients, into Keras' masked mean."""
     if any(cell_losses):

@@ -8,7 +8,7 @@ Estimators (``tf_gpipe.balance.profile``) give one cost per layer, solvers
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 from tf_gpipe.balance.profile import Layers, _layer_list, by_memory, by_params, by_time
 from tf_gpipe.balance.report import report
@@ -33,7 +33,7 @@ SOLVERS = ("minmax", "min_variance")
 
 def balance_by(
     method: str, layers: Layers, num_stages: int, sample: Any = None, solver: str = "minmax", **kwargs: Any
-) -> List[int]:
+) -> list[int]:
     """Layers per stage that even out one cost: ``"params"``, ``"time"`` or ``"memory"``.
 
     Args:

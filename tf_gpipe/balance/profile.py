@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, TypeAlias, cast
 
 import keras
 import numpy as np
@@ -17,10 +18,10 @@ from tf_gpipe.cell import _eager_build_scope, _layer_kwargs
 
 __all__ = ["by_memory", "by_params", "by_time"]
 
-Layers = Union[Sequence[keras.layers.Layer], keras.Sequential]
+Layers: TypeAlias = Sequence[keras.layers.Layer] | keras.Sequential
 
 
-def _layer_list(layers: Any) -> Tuple[List[keras.layers.Layer], Any]:
+def _layer_list(layers: Any) -> tuple[list[keras.layers.Layer], Any]:
     """The layers as a list, and the input spec of a leading ``keras.Input`` (else None)."""
     spec, layers = None, layers.layers if isinstance(layers, keras.Sequential) else layers
     if isinstance(layers, keras.layers.Layer):
@@ -43,11 +44,11 @@ def _inputs(sample: Any, batch_size: int) -> Any:
         raise ValueError("tf_gpipe: pass a sample: a batch, a shape such as (32, 784), or keras.Input first.")
     rng = np.random.RandomState(0)  # fixed data; the global NumPy and Keras seeds stay untouched
 
-    def fill(spec_shape: Sequence[Optional[int]], dtype: Any) -> tf.Tensor:
+    def fill(spec_shape: Sequence[int | None], dtype: Any) -> tf.Tensor:
         dims = [batch_size if i == 0 and d is None else d for i, d in enumerate(spec_shape)]
         if None in dims:
             raise ValueError(f"tf_gpipe: the sample shape {tuple(dims)} has a None; give every dimension.")
-        shape = cast(List[int], dims)
+        shape = cast(list[int], dims)
         if tf.as_dtype(dtype).is_floating:
             return tf.cast(rng.standard_normal(shape).astype(np.float32), dtype)
         return tf.zeros(shape, tf.as_dtype(dtype))  # valid token ids and masks
@@ -79,7 +80,7 @@ def _sandbox(layers: Sequence[keras.layers.Layer]) -> Iterator[None]:
             v.assign(value)
 
 
-def _prepare(layers: Layers, sample: Any, batch_size: int) -> Tuple[List[keras.layers.Layer], List[Tuple]]:
+def _prepare(layers: Layers, sample: Any, batch_size: int) -> tuple[list[keras.layers.Layer], list[tuple]]:
     """Apply (and so build) the layers in order, unsplit, on CPU, in inference mode: (x, mask, y) each."""
     layers, spec = _layer_list(layers)
     records, mask = [], None
@@ -103,7 +104,7 @@ def _nbytes(structure: Any) -> int:
     return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size for t in flat)
 
 
-def by_params(layers: Layers, sample: Any = None, *, batch_size: int = 32) -> List[float]:
+def by_params(layers: Layers, sample: Any = None, *, batch_size: int = 32) -> list[float]:
     """Each layer's parameter count (``layer.count_params()``, trainable or not).
 
     Args:
@@ -127,7 +128,7 @@ def by_params(layers: Layers, sample: Any = None, *, batch_size: int = 32) -> Li
 
 def by_memory(
     layers: Layers, sample: Any = None, *, optimizer_slots: int = 2, batch_size: int = 32
-) -> List[float]:
+) -> list[float]:
     """Bytes each layer holds in training: its parameters, plus its output for ``sample``.
 
     A trainable weight counts ``2 + optimizer_slots`` times (itself, its summed
@@ -179,7 +180,7 @@ def by_time(
     warmup: int = 2,
     device: str = "/device:CPU:0",
     batch_size: int = 32,
-) -> List[float]:
+) -> list[float]:
     """Each layer's forward plus backward time on ``sample``, in seconds (median of ``repeats``).
 
     A ``tf.function`` per layer runs it in training mode under a ``GradientTape``
@@ -210,13 +211,13 @@ def by_time(
         return _median_times(steps, warmup, repeats)
 
 
-def _median_times(steps: Sequence[Callable[[], tf.Tensor]], warmup: int, repeats: int) -> List[float]:
+def _median_times(steps: Sequence[Callable[[], tf.Tensor]], warmup: int, repeats: int) -> list[float]:
     """Each step's median seconds over ``repeats`` calls, after a tracing call and ``warmup`` more.
 
     Shared by ``by_time`` and ``tf_gpipe.graph.node_costs``. Reading each result
     waits for the device, so a call's time is its whole run.
     """
-    times: List[List[float]] = [[] for _ in steps]
+    times: list[list[float]] = [[] for _ in steps]
     for _ in range(1 + warmup + repeats):  # the first call traces
         for step, record in zip(steps, times):  # round-robin: a burst of load hits every step alike
             start = time.perf_counter()

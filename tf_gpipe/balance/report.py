@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tf_gpipe import schedules
 from tf_gpipe.balance.profile import Layers, _layer_list, _nbytes, _prepare
@@ -17,8 +18,8 @@ def report(
     balance: Sequence[int],
     sample: Any = None,
     *,
-    time_costs: Optional[Sequence[float]] = None,
-    devices: Optional[Sequence[str]] = None,
+    time_costs: Sequence[float] | None = None,
+    devices: Sequence[str] | None = None,
     num_micro_batches: int = 1,
     schedule: str = "gpipe",
     virtual_stages: int = 1,
@@ -53,7 +54,7 @@ def report(
         raise ValueError(f"tf_gpipe: balance has {len(groups)} stages, not a multiple of virtual_stages.")
     if time_costs is not None and len(time_costs) != len(layer_list):
         raise ValueError(f"tf_gpipe: time_costs has {len(time_costs)} entries for {len(layer_list)} layers.")
-    known: Dict[str, Optional[Sequence[float]]] = {"time": time_costs, "activations": None}
+    known: dict[str, Sequence[float] | None] = {"time": time_costs, "activations": None}
     if sample is not None or spec is not None or not all(layer.built for layer in layer_list):
         records = _prepare(layer_list, spec if sample is None else sample, batch_size)[1]
         known["activations"] = [_nbytes(y) for _, _, y in records]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from tf_gpipe.partition import even_balance, split_by_balance
 __all__ = ["solve_min_variance", "solve_minmax", "stage_costs"]
 
 
-def _checked(costs: Sequence[float], num_stages: int) -> List[float]:
+def _checked(costs: Sequence[float], num_stages: int) -> list[float]:
     if isinstance(num_stages, bool) or not hasattr(num_stages, "__index__"):
         raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
     values = [float(c) for c in costs]
@@ -26,7 +26,7 @@ def _checked(costs: Sequence[float], num_stages: int) -> List[float]:
     return values
 
 
-def solve_minmax(costs: Sequence[float], num_stages: int) -> List[int]:
+def solve_minmax(costs: Sequence[float], num_stages: int) -> list[int]:
     """The contiguous partition whose most expensive stage is as cheap as possible (optimal).
 
     Under fill-drain the slowest stage sets the pace, so the step time follows
@@ -56,7 +56,7 @@ def solve_minmax(costs: Sequence[float], num_stages: int) -> List[int]:
     return lengths
 
 
-def _sweep(prefix: np.ndarray, k_all: int, combine: Callable) -> Tuple[float, List[int]]:
+def _sweep(prefix: np.ndarray, k_all: int, combine: Callable) -> tuple[float, list[int]]:
     """``table[k, i]``: the best score of the first i layers in k stages; ``combine(table[k-1, j],
     cost of layers j..i-1)`` scores each last cut j. The least wins, on ties the last one."""
     n = len(prefix) - 1
@@ -75,7 +75,7 @@ def _sweep(prefix: np.ndarray, k_all: int, combine: Callable) -> Tuple[float, Li
     return float(table[k_all, n]), [b - a for a, b in zip([0] + ends[:-1], ends)]
 
 
-def _block_partition(costs: List[float], k: int, closest: bool) -> Optional[List[int]]:
+def _block_partition(costs: list[float], k: int, closest: bool) -> list[int] | None:
     """Bárány et al.'s block partition, step for step as torchgpipe; None where that would fail."""
     n, seen = len(costs), set()
     low, span = min(costs), max(costs) - min(costs)
@@ -105,7 +105,7 @@ def _block_partition(costs: List[float], k: int, closest: bool) -> Optional[List
                 break
 
 
-def solve_min_variance(costs: Sequence[float], num_stages: int) -> List[int]:
+def solve_min_variance(costs: Sequence[float], num_stages: int) -> list[int]:
     """torchgpipe's heuristic (Bárány et al., "Block partitions of sequences"): even, not optimal.
 
     Costs are rescaled to [0, 1]; from ``n // K`` layers a stage, a layer moves
@@ -134,6 +134,6 @@ def solve_min_variance(costs: Sequence[float], num_stages: int) -> List[int]:
     return solve_minmax(c, num_stages)  # never seen; keeps every stage non-empty
 
 
-def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> List[float]:
+def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     """The summed cost of each stage of ``balance`` (layers per stage)."""
     return [sum(group) for group in split_by_balance([float(c) for c in costs], None, balance)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
 
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
@@ -16,7 +15,7 @@ __all__ = ["client_device", "connect", "worker_devices"]
 _CLIENT_JOB = "client"
 
 
-def _wait_answering(addresses: Dict[int, str], job: str, timeout: float) -> None:
+def _wait_answering(addresses: dict[int, str], job: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     missing = dict(addresses)
     while missing:
@@ -94,7 +93,7 @@ def client_device() -> str:
 
 def worker_devices(
     num: int, job: str = "worker", device_type: str = "CPU", cluster: ClusterLike = None
-) -> List[str]:
+) -> list[str]:
     """``num`` device strings on the tasks of ``job``, one per stage, task-major round-robin.
 
     With a connected cluster: device 0 of task 0, device 0 of task 1, ..., then
@@ -102,10 +101,10 @@ def worker_devices(
     stage ``k`` gets ``/job:{job}/replica:0/task:{k % tasks}/device:{device_type}:0``.
     """
     device_type = device_type.upper()
-    tasks: Optional[int] = None
+    tasks: int | None = None
     if cluster is not None:
         tasks = len(_addresses(cluster_spec(cluster), job))
-    found: Dict[int, List[tf.DeviceSpec]] = {}
+    found: dict[int, list[tf.DeviceSpec]] = {}
     if tasks is None:
         for d in tf.config.list_logical_devices(device_type):
             s = tf.DeviceSpec.from_string(d.name)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import tensorflow as tf
 
@@ -36,7 +37,7 @@ def define_flags(flag_values: Any = None) -> None:
 
 
 @contextlib.contextmanager
-def from_flags(flag_values: Any = None) -> Iterator[Optional[tf.train.ClusterSpec]]:
+def from_flags(flag_values: Any = None) -> Iterator[tf.train.ClusterSpec | None]:
     """Connect as ``--cluster_workers``/``--cluster``/TF_CONFIG say; yield the ClusterSpec.
 
     Yields None (nothing connected) when none of them is given. Local workers

@@ -11,7 +11,8 @@ import sys
 import tempfile
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -69,8 +70,8 @@ class LocalCluster:
         devices_per_worker: int = 1,
         threads: int = 0,
         startup_timeout: float = 60.0,
-        lifetime: Optional[float] = None,
-        log_dir: Optional[str] = None,
+        lifetime: float | None = None,
+        log_dir: str | None = None,
         start: bool = True,
     ):
         if num_workers < 1:
@@ -82,7 +83,7 @@ class LocalCluster:
         self.lifetime = lifetime
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="tf_gpipe_cluster_")
         self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
-        self._procs: List[Optional[subprocess.Popen]] = [None] * num_workers
+        self._procs: list[subprocess.Popen | None] = [None] * num_workers
         self._closed = False
         _LIVE_CLUSTERS.add(self)
         atexit.register(self.close)
@@ -95,7 +96,7 @@ class LocalCluster:
         return len(self.addresses)
 
     @property
-    def cluster_dict(self) -> Dict[str, List[str]]:
+    def cluster_dict(self) -> dict[str, list[str]]:
         return {self.job_name: list(self.addresses)}
 
     @property
@@ -110,7 +111,7 @@ class LocalCluster:
     def log(self, task: int) -> str:
         return os.path.join(self.log_dir, f"worker-{task}.log")
 
-    def pid(self, task: int) -> Optional[int]:
+    def pid(self, task: int) -> int | None:
         proc = self._procs[task]
         return None if proc is None else proc.pid
 
@@ -145,7 +146,7 @@ class LocalCluster:
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL, cwd=root
             )
 
-    def start(self, tasks: Optional[Sequence[int]] = None) -> LocalCluster:
+    def start(self, tasks: Sequence[int] | None = None) -> LocalCluster:
         """Start the given tasks (default: all not running) and wait until they listen."""
         if self._closed:
             raise RuntimeError("tf_gpipe: this LocalCluster is closed; make a new one.")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -49,7 +50,7 @@ class ReplicatedPipeline(keras.Model):
         self,
         make_layers: Callable[[], Sequence[keras.layers.Layer]],
         device_groups: Sequence[Sequence[str]],
-        input_shape: Optional[Sequence[Optional[int]]] = None,
+        input_shape: Sequence[int | None] | None = None,
         **pipeline_kwargs: Any,
     ):
         from tf_gpipe.model import PipelineModel
@@ -87,7 +88,7 @@ class ReplicatedPipeline(keras.Model):
         for replica in self.replicas:
             replica._build_gradient_sums()
 
-    def call(self, inputs: Any, training: Optional[bool] = None) -> Any:
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.replicas[0](inputs, training=training)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
@@ -97,7 +98,7 @@ class ReplicatedPipeline(keras.Model):
         if self.built:
             self._build_gradient_sums()
 
-    def _all_reduce_mean(self, grads: List[List[Any]]) -> List[List[Any]]:
+    def _all_reduce_mean(self, grads: list[list[Any]]) -> list[list[Any]]:
         from tensorflow.python.distribute import values as _values  # PerReplica: no public constructor
 
         per_var = [_values.PerReplica(tuple(g[i] for g in grads)) for i in range(len(grads[0]))]

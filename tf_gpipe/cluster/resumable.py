@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -32,9 +32,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def __init__(self, directory: str, max_to_keep: int = 2):
         super().__init__()
         self.directory, self.max_to_keep = directory, max_to_keep
-        self.manager: Optional[tf.train.CheckpointManager] = None
+        self.manager: tf.train.CheckpointManager | None = None
         self.restored_epoch = 0
-        self._epoch: Optional[tf.Variable] = None
+        self._epoch: tf.Variable | None = None
 
     def _options(self) -> tf.train.CheckpointOptions:
         return tf.train.CheckpointOptions(experimental_io_device=client_device())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Union
+from typing import Union
 
 import tensorflow as tf
 
@@ -51,7 +51,7 @@ def cluster_spec(cluster: ClusterLike = None) -> tf.train.ClusterSpec:
     return _parse(cluster)[0]
 
 
-def _addresses(spec: tf.train.ClusterSpec, job: str) -> Dict[int, str]:
+def _addresses(spec: tf.train.ClusterSpec, job: str) -> dict[int, str]:
     if job not in spec.jobs:
         raise ValueError(
             f"tf_gpipe: the cluster has no job {job!r}; its jobs are {spec.jobs}. "

@@ -7,7 +7,7 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -22,7 +22,7 @@ class WorkerFailedError(RuntimeError):
     """A worker holding pipeline stages died or stopped answering."""
 
 
-def _probe(address: str, timeout: float) -> Optional[str]:
+def _probe(address: str, timeout: float) -> str | None:
     """None if the TensorFlow server at ``address`` answers within ``timeout`` s, else why not.
 
     Asks the server's own ``WorkerService/GetStatus`` (a health check, not a transport):
@@ -89,24 +89,24 @@ class WorkerWatch(keras.callbacks.Callback):
         probe_interval: float = 2.0,
         probe_timeout: float = 10.0,
         grace: float = 15.0,
-        step_timeout: Optional[float] = None,
-        exit_code: Optional[int] = 75,
+        step_timeout: float | None = None,
+        exit_code: int | None = 75,
     ):
         super().__init__()
         self.job_name = job_name
         self.addresses = _addresses(cluster_spec(cluster), job_name)
         self.probe_interval, self.probe_timeout = probe_interval, probe_timeout
         self.grace, self.step_timeout, self.exit_code = grace, step_timeout, exit_code
-        self.failure: Optional[str] = None
+        self.failure: str | None = None
         self._failed_at = 0.0
-        self._step_started: Optional[float] = None
+        self._step_started: float | None = None
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def _name(self, task: int) -> str:
         return f"/job:{self.job_name}/replica:0/task:{task} ({self.addresses[task]})"
 
-    def _message(self, what: str, task: Optional[int]) -> str:
+    def _message(self, what: str, task: int | None) -> str:
         again = (
             f"restart that worker (python -m tf_gpipe.cluster --worker --job_name={self.job_name} "
             f"--task_index={task} --cluster=... on its host)"
@@ -119,7 +119,7 @@ class WorkerWatch(keras.callbacks.Callback):
             "last checkpoint (tf_gpipe.cluster.ResumableCheckpoint or your tf.train.CheckpointManager)."
         )
 
-    def diagnose(self) -> Optional[str]:
+    def diagnose(self) -> str | None:
         """Probe every worker now; the error message for the first that fails, else None."""
         for task in sorted(self.addresses):
             why = _probe(self.addresses[task], self.probe_timeout)

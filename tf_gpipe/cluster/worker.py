@@ -6,7 +6,7 @@ import argparse
 import os
 import threading
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import tensorflow as tf
 
@@ -16,7 +16,7 @@ from tf_gpipe.cluster.spec import ClusterLike, _parse, cluster_spec
 __all__ = ["serve"]
 
 
-def _exit_when_orphaned(parent_pid: int, lifetime: Optional[float]) -> None:
+def _exit_when_orphaned(parent_pid: int, lifetime: float | None) -> None:
     end = None if not lifetime else time.monotonic() + lifetime
     while True:
         if parent_pid and os.getppid() != parent_pid:

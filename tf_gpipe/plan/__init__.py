@@ -10,7 +10,8 @@ and ``tf_gpipe.plan.report`` holds the chosen :class:`Plan` and its report.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -48,7 +49,7 @@ def count_optimizer_slots(optimizer: Any) -> int:
     return sum(1 for v in fresh.variables if tuple(v.shape) == (3, 7))
 
 
-def measure_update(optimizer: Any, device: str = "/device:CPU:0", shape=(512, 512)) -> Optional[UpdateCost]:
+def measure_update(optimizer: Any, device: str = "/device:CPU:0", shape=(512, 512)) -> UpdateCost | None:
     """What ``optimizer``'s update allocates for a moment, per trainable byte, measured with
     the allocator on one weight of ``shape`` (a fresh copy of the optimizer); None where
     ``device``'s allocator keeps no statistics (CPU without ``TF_CPU_ALLOCATOR_USE_BFC=true``).
@@ -99,18 +100,18 @@ def _runnable(schedule: str) -> bool:
 def plan(
     layers_or_model: Any,
     sample_input: Any,
-    devices: Union[int, Sequence[str]],
+    devices: int | Sequence[str],
     memory_budget_bytes: float,
     global_batch: int,
     *,
     optimizer: Any = None,
-    optimizer_slots: Optional[int] = None,
-    schedules: Optional[Sequence[str]] = None,
+    optimizer_slots: int | None = None,
+    schedules: Sequence[str] | None = None,
     remats: Sequence[str] = REMATS,
     max_micro_batches: int = 64,
     virtual_stages: int = 2,
     repeats: int = 5,
-    profile_device: Optional[str] = None,
+    profile_device: str | None = None,
 ) -> Plan:
     """Choose K, stage cuts, M, re-materialization and schedule for the fastest fitting step.
 
@@ -205,16 +206,16 @@ def _check(devices: Any, global_batch: Any, memory_budget_bytes: Any, remats: Se
 
 def plan_from_profile(
     profiled: ModelProfile,
-    devices: Union[int, Sequence[str]],
+    devices: int | Sequence[str],
     memory_budget_bytes: float,
     global_batch: int,
     *,
     optimizer_slots: int = 2,
-    schedules: Optional[Sequence[str]] = None,
+    schedules: Sequence[str] | None = None,
     remats: Sequence[str] = REMATS,
     max_micro_batches: int = 64,
     virtual_stages: int = 2,
-    update: Optional[UpdateCost] = None,
+    update: UpdateCost | None = None,
 ) -> Plan:
     """:func:`plan` from a profile already taken: re-plan for another budget, batch or
     device count without measuring again (``p.profile`` is the profile a plan used).

@@ -17,8 +17,8 @@ allocator fragmentation, and the copies between devices.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from tf_gpipe.partition import split_by_balance
 from tf_gpipe.plan.profile import LayerProfile, ModelProfile
@@ -94,7 +94,7 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile) -> Stag
     )
 
 
-def stage_costs(profile: ModelProfile, balance: Sequence[int], n: int) -> List[StageCost]:
+def stage_costs(profile: ModelProfile, balance: Sequence[int], n: int) -> list[StageCost]:
     """Each stage's costs for micro-batches of ``n`` examples; ``balance``: layers per stage.
 
     A stage's time is its layers' plus one function call's overhead per action."""
@@ -103,7 +103,7 @@ def stage_costs(profile: ModelProfile, balance: Sequence[int], n: int) -> List[S
 
 def step_time(
     schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool]
-) -> Tuple[float, float, Timeline]:
+) -> tuple[float, float, Timeline]:
     """``(seconds, bubble, timeline)`` of one step: a re-materialized backward replays the forward."""
     fwd = [s.forward_s for s in stages]
     bwd = [s.backward_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
@@ -121,11 +121,11 @@ def static_bytes(stage: StageCost, optimizer_slots: int) -> float:
 
 def _events(
     schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool]
-) -> Dict[int, List[Tuple[Action, float, float, float]]]:
+) -> dict[int, list[tuple[Action, float, float, float]]]:
     """Per device, for each action in its order: (action, bytes held while it runs, the most it
     adds for a moment (its layers' peaks: outputs, gradients, buffers), bytes held after it)."""
     release = "W" if schedule.split_backward else "B"
-    out: Dict[int, List[Tuple[Action, float, float, float]]] = {}
+    out: dict[int, list[tuple[Action, float, float, float]]] = {}
     for d, actions in enumerate(schedule.orders):
         live = _initial(schedule, stages, d)
         rows = []
@@ -153,8 +153,8 @@ def _events(
 
 
 def _update(
-    schedule: Schedule, stages: Sequence[StageCost], update: Optional[UpdateCost], optimizer_slots: int
-) -> List[float]:
+    schedule: Schedule, stages: Sequence[StageCost], update: UpdateCost | None, optimizer_slots: int
+) -> list[float]:
     """Per device, what the optimizer update allocates beside the static bytes."""
     cost = UpdateCost.estimate(optimizer_slots) if update is None else update
     out = [0.0] * schedule.num_devices
@@ -168,8 +168,8 @@ def device_memory(
     stages: Sequence[StageCost],
     remat: Sequence[bool],
     optimizer_slots: int,
-    update: Optional[UpdateCost] = None,
-) -> List[float]:
+    update: UpdateCost | None = None,
+) -> list[float]:
     """Predicted peak bytes per device: static bytes of its stages plus the larger of its
     activation peak and its optimizer update's temporaries (``update``; default
     :meth:`UpdateCost.estimate`)."""
@@ -189,8 +189,8 @@ def process_peak(
     stages: Sequence[StageCost],
     remat: Sequence[bool],
     optimizer_slots: int,
-    timeline: Optional[Timeline] = None,
-    update: Optional[UpdateCost] = None,
+    timeline: Timeline | None = None,
+    update: UpdateCost | None = None,
 ) -> float:
     """Predicted peak bytes of all devices together, on the simulated timeline.
 
@@ -207,15 +207,15 @@ def process_peak(
         timeline = step_time(schedule, stages, remat)[2]
     static = sum(static_bytes(s, optimizer_slots) for s in stages)
     # (time, ends first, device, bytes held from then on, momentary peak from then on)
-    changes: List[Tuple[float, int, int, float, float]] = []
+    changes: list[tuple[float, int, int, float, float]] = []
     for d, rows in _events(schedule, stages, remat).items():
         changes.append((0.0, 0, d, _initial(schedule, stages, d), 0.0))
         for a, held, spike, after in rows:
             slot = timeline.slots[a]
             changes.append((slot.start, 1, d, held, spike))
             changes.append((slot.end, 0, d, after, 0.0))
-    held_now: Dict[int, float] = {}
-    spike_now: Dict[int, float] = {}
+    held_now: dict[int, float] = {}
+    spike_now: dict[int, float] = {}
     peak = 0.0
     for _, _, d, value, spike in sorted(changes, key=lambda c: (c[0], c[1])):
         held_now[d], spike_now[d] = value, spike

@@ -16,9 +16,10 @@ in flight. Without allocator statistics it is estimated from the graph reading.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any
 
 import keras
 import numpy as np
@@ -95,7 +96,7 @@ class ModelProfile:
     layer and kept here, to be paid once per stage action, as the stages run.
     """
 
-    layers: List[LayerProfile]
+    layers: list[LayerProfile]
     forward_call_s: Affine
     backward_call_s: Affine
 
@@ -138,7 +139,7 @@ def _source(t: tf.Tensor) -> tf.Tensor:
     return t
 
 
-def _taped_step(layer: keras.layers.Layer, mask: Any, input_grads: bool = True) -> Tuple[Any, dict]:
+def _taped_step(layer: keras.layers.Layer, mask: Any, input_grads: bool = True) -> tuple[Any, dict]:
     """The layer's forward and backward as one function (timed, and measured with the allocator),
     and marks that let :func:`_kept` read its traced graph: where the forward ends, its outputs.
     The first layer gets no input gradient, as in the pipeline (the data need none)."""
@@ -162,13 +163,13 @@ def _taped_step(layer: keras.layers.Layer, mask: Any, input_grads: bool = True) 
     return step, marks
 
 
-def _kept(graph: Any, marks: dict) -> Tuple[int, bool, bool]:
+def _kept(graph: Any, marks: dict) -> tuple[int, bool, bool]:
     """(bytes of the forward tensors the gradient keeps, other than input and output;
     whether it keeps the input; whether it keeps the output), from the traced graph of
     :func:`_taped_step`. A kept view (a reshape) counts as its source."""
     ops = graph.get_operations()
     forward = {id(op) for op in ops[: marks["forward_ops"]]}
-    seen: Set[int] = set()
+    seen: set[int] = set()
     kept_tensors = []
     for op in ops[marks["forward_ops"] :]:
         if op.type in _SHAPE_READERS:
@@ -195,7 +196,7 @@ def _kept(graph: Any, marks: dict) -> Tuple[int, bool, bool]:
     return internal, uses_input, saves_output
 
 
-def allocator_name(device: str) -> Optional[str]:
+def allocator_name(device: str) -> str | None:
     """The name ``get_memory_info`` knows ``device`` by, or None where its allocator keeps no
     statistics (CPU without ``TF_CPU_ALLOCATOR_USE_BFC=true``)."""
     spec = tf.DeviceSpec.from_string(device)
@@ -207,7 +208,7 @@ def allocator_name(device: str) -> Optional[str]:
     return name
 
 
-def _peaks(steps: Sequence[Callable[[], tf.Tensor]], allocator: str) -> List[int]:
+def _peaks(steps: Sequence[Callable[[], tf.Tensor]], allocator: str) -> list[int]:
     """Each step's allocator peak above what was allocated before it (its input included)."""
     out = []
     for step in steps:
@@ -223,8 +224,8 @@ def _copy(t: Any) -> Any:
 
 
 def _estimated_peaks(
-    layer: keras.layers.Layer, record: Tuple, kept: Tuple[int, bool, bool], input_grads: bool
-) -> Tuple[int, int]:
+    layer: keras.layers.Layer, record: tuple, kept: tuple[int, bool, bool], input_grads: bool
+) -> tuple[int, int]:
     """(forward, backward) peak bytes beyond the input, from sizes alone (no allocator statistics):
     the output; then what the backward keeps, the output's gradient, the input's and the weights'."""
     x, _, y = record
@@ -293,7 +294,7 @@ def profile_layers(
     for n in sizes:
         _, records = _prepare(layer_list, _at_batch(sample, n), n)
         nothing = _Nothing(name="planner_call_overhead")
-        steps: List[Callable[[], tf.Tensor]] = []
+        steps: list[Callable[[], tf.Tensor]] = []
         taped = []
         with tf.device(device):  # the inputs live where the steps run: the peaks exclude them
             inputs = [tf.nest.map_structure(_copy, x) for x, _, _ in records]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from tf_gpipe.plan.predict import UpdateCost, static_bytes
 from tf_gpipe.plan.profile import ModelProfile
@@ -18,7 +19,7 @@ def _mib(b: float) -> str:
     return f"{b / MiB:,.2f}"
 
 
-def _table(rows: List[List[str]]) -> List[str]:
+def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     return [lines[0], "-" * len(lines[0])] + lines[1:]
@@ -50,13 +51,13 @@ class Plan:
     """
 
     chosen: Candidate
-    candidates: List[Candidate]
-    device_list: Optional[List[str]]  # as given to plan (the chosen K use the first K)
+    candidates: list[Candidate]
+    device_list: list[str] | None  # as given to plan (the chosen K use the first K)
     memory_budget_bytes: float
     global_batch: int
     optimizer_slots: int
     profile: ModelProfile  # the measurements it planned from (for plan_from_profile)
-    update: Optional[UpdateCost] = None  # the optimizer update's temporaries it planned with
+    update: UpdateCost | None = None  # the optimizer update's temporaries it planned with
 
     num_stages = property(lambda self: self.chosen.num_stages)
     balance = property(lambda self: list(self.chosen.balance))
@@ -68,7 +69,7 @@ class Plan:
     predicted_peak_bytes = property(lambda self: list(self.chosen.peak_bytes))
 
     @property
-    def devices(self) -> Optional[List[str]]:
+    def devices(self) -> list[str] | None:
         return None if self.device_list is None else self.device_list[: self.chosen.num_stages]
 
     def _update_note(self) -> str:
@@ -78,11 +79,11 @@ class Plan:
         more = f"{u.from_sums:.1f} (M > 1) or {u.from_fresh:.1f} (M = 1)"
         return f"; its update takes {more} weights' worth more"
 
-    def settings(self) -> Dict[str, Any]:
+    def settings(self) -> dict[str, Any]:
         """The ``PipelineModel`` keyword arguments this plan sets."""
         return {name: getattr(self, name) for name in SETTINGS}
 
-    def resolve(self, **given: Any) -> Tuple[Any, ...]:
+    def resolve(self, **given: Any) -> tuple[Any, ...]:
         """``PipelineModel``'s arguments with this plan's settings, in the order of ``SETTINGS``.
 
         An argument left at ``PipelineModel``'s default takes the plan's value; any
@@ -114,7 +115,7 @@ class Plan:
             f"peak {_mib(max(self.predicted_peak_bytes))} MiB/device)"
         )
 
-    def report(self, limit: Optional[int] = 20) -> str:
+    def report(self, limit: int | None = 20) -> str:
         """A text table of the candidates weighed, and why the chosen one won.
 
         Args:
@@ -193,7 +194,7 @@ def nothing_fits(
     budget: float,
     num_devices: int,
     optimizer_slots: int,
-    alternatives: Callable[..., List[Candidate]],
+    alternatives: Callable[..., list[Candidate]],
     global_batch: int,
     max_devices: int,
 ) -> PlanError:

@@ -9,8 +9,8 @@ stages' time, once their memory (the time-even cut can overload one device).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from tf_gpipe import schedules
 from tf_gpipe.balance.solvers import solve_minmax
@@ -31,19 +31,19 @@ class Candidate:
     schedule: str
     virtual_stages: int
     remat: str
-    balance: List[int]
+    balance: list[int]
     micro_batch_size: int
     step_s: float
     bubble: float
-    peak_bytes: List[float]  # per device
-    stages: List[predict.StageCost] = field(repr=False)
+    peak_bytes: list[float]  # per device
+    stages: list[predict.StageCost] = field(repr=False)
     fits: bool = False
 
     @property
     def max_peak(self) -> float:
         return max(self.peak_bytes)
 
-    def key(self) -> Tuple:
+    def key(self) -> tuple:
         """Faster first; on a tie, less memory, then fewer devices and micro-batches."""
         return (self.step_s, self.max_peak, self.num_stages, self.num_micro_batches)
 
@@ -52,7 +52,7 @@ class Candidate:
         return f"K={self.num_stages} M={self.num_micro_batches} {self.schedule}{v} remat={self.remat}"
 
 
-def micro_batch_counts(global_batch: int, max_micro_batches: int) -> List[int]:
+def micro_batch_counts(global_batch: int, max_micro_batches: int) -> list[int]:
     """Divisors of the global batch and powers of two, up to ``max_micro_batches`` and the batch."""
     top = min(global_batch, max_micro_batches)
     counts = {m for m in range(1, top + 1) if global_batch % m == 0}
@@ -60,12 +60,12 @@ def micro_batch_counts(global_batch: int, max_micro_batches: int) -> List[int]:
     return sorted(counts)
 
 
-def remat_flags(remat: str, num_stages: int) -> List[bool]:
+def remat_flags(remat: str, num_stages: int) -> list[bool]:
     """Whether each stage is re-materialized (``"except_last"``: every stage but the last)."""
     return [remat == "always" or (remat == "except_last" and s < num_stages - 1) for s in range(num_stages)]
 
 
-def _cuts(profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slots: int) -> List[List[int]]:
+def _cuts(profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slots: int) -> list[list[int]]:
     """Time-even and memory-even cuts (deduplicated)."""
     again = 2.0 if remat == "always" else 1.0  # a replayed forward, for the time cut
     time = [again * p.forward_s.at(n) + p.backward_s.at(n) for p in profiles]
@@ -73,7 +73,7 @@ def _cuts(profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slo
         p.trainable_bytes * (2 + slots) + p.non_trainable_bytes + p.saved_bytes.at(n) + p.output_bytes.at(n)
         for p in profiles
     ]
-    found: List[List[int]] = []
+    found: list[list[int]] = []
     for costs in (time, memory):
         cut = solve_minmax(costs, stages)
         if cut not in found:
@@ -81,7 +81,7 @@ def _cuts(profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slo
     return found
 
 
-def _schedule(name: str, K: int, M: int, v: int, cache: Dict) -> Optional[schedules.Schedule]:
+def _schedule(name: str, K: int, M: int, v: int, cache: dict) -> schedules.Schedule | None:
     key = (name, K, M, v)
     if key not in cache:
         try:
@@ -102,8 +102,8 @@ def search(
     remats: Sequence[str] = REMATS,
     max_micro_batches: int = 64,
     virtual_stages: int = 2,
-    update: Optional[predict.UpdateCost] = None,
-) -> List[Candidate]:
+    update: predict.UpdateCost | None = None,
+) -> list[Candidate]:
     """Every candidate configuration, priced, fastest first; ``fits`` marks those within budget.
 
     Args:
@@ -117,10 +117,10 @@ def search(
         max_micro_batches: the largest M tried.
         update: the optimizer update's temporaries (default estimated from the slots).
     """
-    cache: Dict = {}
+    cache: dict = {}
     seen = set()
     profiles = profile.layers
-    out: List[Candidate] = []
+    out: list[Candidate] = []
     for K in num_devices:
         for M in micro_batch_counts(global_batch, max_micro_batches):
             n = -(-global_batch // M)
