@@ -142,7 +142,10 @@ class StageFunctions:
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
         # Timeline markers are host callbacks, which XLA cannot compile.
         self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
-        self._add = tf.function(self._add_body, jit_compile=False, **options)
+        # Only a taped (not re-materialized) stage adds its gradients with a call of its own.
+        # Inlined like that stage's forward, so each gradient is added, and freed, as soon
+        # as the inlined backward makes it: as one call it would wait for all of them.
+        self._add = tf.function(self._add_body, jit_compile=False, reduce_retracing=True, autograph=False)
         self._zero = tf.function(self._zero_body, jit_compile=False, **options)
         if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
             self._forward = self._forward_taped = self._forward_body
