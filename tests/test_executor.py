@@ -19,7 +19,6 @@ SCHEDULE_CASES = [
     ("1f1b", 4, 8, 1, "except_last", 7),  # last batch of 3 < M: empty micro-batches
     ("1f1b", 3, 3, 1, "never", 9),
     ("zb-h1", 4, 8, 1, "except_last", 7),
-    ("zb-h1", 3, 3, 1, "never", 9),
     ("interleaved", 2, 4, 2, "always", 10),
     ("interleaved", 3, 3, 2, "never", 8),
     ("interleaved", 2, 2, 3, "always", 5),
