@@ -123,6 +123,62 @@ def test_step_graph_grows_per_micro_batch_by_calls_not_per_weight(remat):
     assert small == big, (small, big)
 
 
+def _unread_call_outputs(graph_def):
+    """``{call: [output index, ...]}``: outputs of the stage-function calls in ``graph_def``
+    that no op reads as data (an Identity counts only if its own output is read)."""
+    nodes = {n.name: n for n in graph_def.node}
+    readers: dict = {}
+    for n in graph_def.node:
+        for i in n.input:
+            if not i.startswith("^"):
+                name, _, idx = i.partition(":")
+                readers.setdefault((name, int(idx or 0)), []).append(n.name)
+
+    def read(name, idx, seen=()):
+        for r in readers.get((name, idx), []):
+            if nodes[r].op != "Identity" or (r not in seen and read(r, 0, (*seen, r))):
+                return True
+        return False
+
+    unread = {}
+    for n in graph_def.node:
+        if n.op in ("StatefulPartitionedCall", "PartitionedCall") and re.search(
+            r"_(forward|backward|zero|read)_body", n.attr["f"].func.name
+        ):
+            missing = [k for k in range(len(n.attr["Tout"].list.type)) if not read(n.name, k)]
+            if missing:
+                unread[f"{n.name} ({n.attr['f'].func.name})"] = missing
+    return unread
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_every_stage_call_output_is_read_as_data(schedule):
+    """Grappler's function optimizer rewrites a copy of the function for every call with an
+    output no op reads as data (a token read only through a control edge, an
+    IndexedSlices' dense_shape), and checking each call made the first step grow with M.
+    So each gradient-sum token flows as data into the stage's next addition and the final
+    read, and an Embedding's rows leave a function without their dense_shape."""
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    layers = [
+        keras.layers.Embedding(20, 4),
+        keras.layers.Flatten(),
+        keras.layers.Dense(6, activation="tanh"),
+        keras.layers.Dense(3),
+    ]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=3, schedule=schedule)
+    pm.compile(optimizer="sgd", loss=LOSS)
+    pm.build((None, 5))
+    pm.optimizer.build(pm.trainable_variables)
+    step = tf.function(pm.train_step)
+    graph = step.get_concrete_function(
+        (tf.TensorSpec([None, 5], tf.int32), tf.TensorSpec([None], tf.int64))
+    ).graph.as_graph_def()
+    calls = [n for n in graph.node if "_body" in n.attr["f"].func.name]
+    assert len(calls) >= 2 * 3 * 2  # every stage's forward and backward, per micro-batch
+    assert _unread_call_outputs(graph) == {}
+
+
 def test_gradient_sums_are_not_weights_and_not_saved(tmp_path):
     """The variables that sum fit's gradients are the library's scratch space: not in
     ``weights``, not in the saved model, and a loaded model trains the same."""

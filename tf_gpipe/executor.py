@@ -214,7 +214,7 @@ def run_schedule(
             with tf.name_scope(f"stage{s}_mb{m}_{names[action.kind]}"), tf.device(cell.device):
                 deps = last.get(d, []) + _done(dy)
                 if to_sums and s not in summed:  # the stage's first addition: its sums start at 0
-                    deps.append(stage.functions(cell).zero_sums())
+                    summed[s] = stage.functions(cell).zero_sums()
                 start = mark("start " + tag, d, deps)
                 # Stage 0's input needs no gradient: its split B has nothing to compute.
                 if not (halves and input_half and s == 0):
@@ -229,6 +229,7 @@ def run_schedule(
                         tracer=None if tracer is None else (tracer, d, tag),
                         to_sums=to_sums,
                         need_weight_grads=weight_half,
+                        after=summed.get(s) if to_sums else None,
                     )
                     if to_sums:
                         summed[s], grads = result
@@ -244,5 +245,5 @@ def run_schedule(
                 last[d] = mark("end " + tag, d, _done(in_grads, token, grads) or start)
     totals: dict[int, Any] = dict(rows)
     for s, token in summed.items():
-        totals.update(stage.functions(cells[s]).read_sums(_done(token)))
+        totals.update(stage.functions(cells[s]).read_sums(token))
     return outputs, out_masks, totals, cell_losses

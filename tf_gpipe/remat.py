@@ -166,6 +166,7 @@ def backward(
     tracer: Any = None,
     to_sums: bool = False,
     need_weight_grads: bool = True,
+    after: Any = None,
 ) -> tuple[list[tf.Tensor | None], Any]:
     """Gradients of one (cell, micro-batch) w.r.t. its float inputs and ``variables``.
 
@@ -177,7 +178,8 @@ def backward(
     ``(Recorder, device, tag)`` triple, marks the end of the recomputation on a
     timeline. With ``to_sums`` (``fit``) the gradients of ``cell.trainable_variables``
     are added to the stage's gradient sums (``StageFunctions.sums``) and a token, ready
-    once they are, is returned in place of the variable grads.
+    once they are, is returned in place of the variable grads; ``after`` is then the
+    token of the stage's previous addition (or of the sums' zeroing).
 
     ``need_weight_grads=False`` gives the input grads only (variable grads ``[]``,
     ``to_sums`` ignored): a split schedule's ``B``; its ``W`` passes
@@ -204,6 +206,7 @@ def backward(
             tracer,
             to_sums,
             need_weight_grads,
+            after,
         )
         if to_sums:
             return in_grads, cell_grads
@@ -229,7 +232,7 @@ def backward(
             None if to_sums else record.nonempty,  # to_sums: masked inside add_to_sums
         )
     if to_sums:
-        return in_grads, stage.functions(cell).add_to_sums(var_grads, record.nonempty)
+        return in_grads, stage.functions(cell).add_to_sums(var_grads, record.nonempty, after)
     return in_grads, var_grads
 
 

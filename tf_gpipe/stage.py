@@ -147,10 +147,11 @@ class StageFunctions:
         # as the inlined backward makes it: as one call it would wait for all of them.
         self._add = tf.function(self._add_body, jit_compile=False, reduce_retracing=True, autograph=False)
         self._zero = tf.function(self._zero_body, jit_compile=False, **options)
+        self._read = tf.function(self._read_body, jit_compile=False, **options)
         if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
             self._forward = self._forward_taped = self._forward_body
             self._backward = self._backward_marked = self._backward_body
-            self._add, self._zero = self._add_body, self._zero_body
+            self._add, self._zero, self._read = self._add_body, self._zero_body, self._read_body
 
     # ------------------------------------------------------------ gradient sums
     # fit sums each weight's gradient over the micro-batches in a variable on the stage's
@@ -158,6 +159,13 @@ class StageFunctions:
     # does with ``.grad``). Summing the returned gradients in the step instead would add
     # K x M x weights ops to its graph (the first step growing with M), and would hold
     # a whole stage's gradients at once beside the running sum.
+    #
+    # The sums' token (ready once an addition is done) flows as data from the zeroing
+    # through every addition of the stage to the final read: each function call's every
+    # output is read as data. Grappler's function optimizer rewrites a copy of a function
+    # for each call with an output nobody reads as data (a token read only through a
+    # control edge, or an IndexedSlices' dense_shape); checking each such call took it
+    # ~70 ms per micro-batch at K=4, and the first step grew with M.
     def sums(self, variables: list[Any]) -> list[tf.Variable]:
         """The gradient-sum variables of ``variables`` (made on first use, never saved)."""
         missing = [v for v in variables if id(v) not in self._sums]
@@ -177,51 +185,73 @@ class StageFunctions:
         with tf.device(self.cell.device):
             return self._zero()
 
-    def read_sums(self, after: list[tf.Tensor]) -> dict[int, tf.Tensor]:
+    def read_sums(self, token: tf.Tensor) -> dict[int, tf.Tensor]:
         """``{id(variable): summed dense gradient}`` for the variables that got one, read
-        once every tensor of ``after`` is ready."""
+        once ``token`` (the last addition's) is ready."""
         variables = self.cell.trainable_variables
-        with tf.device(self.cell.device), tf.control_dependencies(after):
-            return {
-                id(v): s.read_value()
-                for v, s in zip(variables, self.sums(variables))
-                if id(v) in self.graded and id(v) not in self.sparse
-            }
+        dense = [
+            (v, s)
+            for v, s in zip(variables, self.sums(variables))
+            if id(v) in self.graded and id(v) not in self.sparse
+        ]
+        # Called even with no dense sums (a stage whose weights all get rows): it reads the token.
+        with tf.device(self.cell.device):
+            values = self._read(token, [s for _, s in dense])
+        return {id(v): t for (v, _), t in zip(dense, values)}
 
-    def add_to_sums(self, grads: list[tf.Tensor | None], nonempty: Any = None) -> tuple[tf.Tensor, list[Any]]:
+    def add_to_sums(
+        self, grads: list[tf.Tensor | None], nonempty: Any = None, after: Any = None
+    ) -> tuple[tf.Tensor, list[Any]]:
         """Add gradients (following ``cell.trainable_variables``) to the sums, zeroed first
-        for an empty micro-batch; returns ``(token, sparse gradients)`` as ``_add_grads``."""
+        for an empty micro-batch, once ``after`` (the previous addition's token) is ready;
+        returns ``(token, sparse gradients)`` as ``_add_grads``."""
         self.sums(self.cell.trainable_variables)
         with tf.device(self.cell.device):
-            return self._add(list(grads), nonempty)
+            token, rows = self._add(list(grads), nonempty, after)
+        return token, self._rows_in(rows)
 
     def _zero_body(self):
         self.traces["sum"] += 1
         return _ready([s.assign(tf.zeros_like(s)) for s in self.sums(self.cell.trainable_variables)])
 
-    def _add_body(self, grads, nonempty):
+    def _read_body(self, token, sums):
+        with tf.control_dependencies([token]):
+            return [s.read_value() for s in sums]
+
+    def _add_body(self, grads, nonempty, after):
         self.traces["sum"] += 1
-        return self._add_grads([remat._mask_grad(g, nonempty) for g in grads])
+        with tf.control_dependencies([] if after is None else [after]):
+            return self._add_grads([remat._mask_grad(g, nonempty) for g in grads])
 
     def _add_grads(self, grads: list[Any]) -> tuple[tf.Tensor, list[Any]]:
-        """Add the dense gradients to their sums. Returns ``(token, sparse)``: the token is
-        ready once every sum is added to; ``sparse`` holds the IndexedSlices gradients (an
-        Embedding's rows), which are returned, not summed: Keras' optimizers update a
+        """Add the dense gradients to their sums. Returns ``(token, rows)``: the token is
+        ready once every sum is added to; ``rows`` holds the IndexedSlices gradients (an
+        Embedding's rows) as ``(values, indices)`` pairs (``_rows_in`` makes them
+        IndexedSlices again), which are returned, not summed: Keras' optimizers update a
         weight differently given its gradient as rows than as a dense tensor, and the
         unsplit model gives them rows."""
-        ops, sparse = [], []
+        ops: list[Any] = []
+        rows: list[tuple[Any, Any] | None] = []
         variables = self.cell.trainable_variables
         for v, total, g in zip(variables, self.sums(variables), grads):
             if g is not None:
                 self.graded.add(id(v))
             if isinstance(g, tf.IndexedSlices):
                 self.sparse.add(id(v))
-                sparse.append(g)
+                # Without dense_shape, which nobody reads (see the gradient sums' comment).
+                rows.append((g.values, g.indices))
                 continue
-            sparse.append(None)
+            rows.append(None)
             if g is not None:
                 ops.append(total.assign_add(g))
-        return _ready(ops), sparse
+        return _ready(ops), rows
+
+    def _rows_in(self, rows: list[Any]) -> list[Any]:
+        """``_add_grads``' rows as IndexedSlices of the shape of their variables."""
+        return [
+            None if r is None else tf.IndexedSlices(r[0], r[1], tf.constant(v.shape.as_list(), tf.int32))
+            for v, r in zip(self.cell.trainable_variables, rows)
+        ]
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -304,6 +334,7 @@ class StageFunctions:
         tracer: Any = None,
         to_sums: bool = False,
         need_weight_grads: bool = True,
+        after: Any = None,
     ) -> tuple[list[tf.Tensor | None], Any]:
         """Replay the stage with the state its forward read, and differentiate the replay.
 
@@ -320,6 +351,9 @@ class StageFunctions:
         replays the forward on its own, so a split backward recomputes the stage's
         forward twice, and the activation gradients that both halves need, once
         per half: correct, simple, and more compute than one full backward.
+
+        ``after``: with ``to_sums``, the token of the stage's previous addition to its
+        sums (or of their zeroing), which this call waits for and reads as data.
         """
         to_sums = bool(to_sums) and need_weight_grads
         defer = bool(deferred) and bool(training) and bool(self.cell.batch_norms)
@@ -345,8 +379,12 @@ class StageFunctions:
                 label,
                 bool(to_sums),
                 bool(need_weight_grads),
+                after if to_sums else None,
             )
-        return list(in_grads), (var_grads if to_sums else list(var_grads))
+        if to_sums:
+            token, rows = var_grads
+            return list(in_grads), (token, self._rows_in(rows))
+        return list(in_grads), list(var_grads)
 
     def _backward_body(
         self,
@@ -364,6 +402,7 @@ class StageFunctions:
         label,
         to_sums,
         need_weight_grads=True,
+        after=None,
     ):
         self.traces["backward"] += 1
         self.backward_halves.add((bool(need_input_grads), bool(need_weight_grads)))
@@ -371,7 +410,7 @@ class StageFunctions:
         written = self._written[(training, defer)]
         flat_in = tf.nest.flatten(inputs)
         float_pos = remat.float_positions(flat_in)
-        arrived = [g for g in list(output_grads) + list(loss_grads) if g is not None]
+        arrived = [g for g in [*output_grads, *loss_grads, after] if g is not None]
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_replay"):
             # The recomputation waits for the incoming gradient: run earlier, it would
             # hold this cell's activations for the whole forward pass and save nothing.
