@@ -204,6 +204,26 @@ def stream_child(script: str, args: Sequence[str], env: dict[str, str]) -> Itera
 # ---------------------------------------------------------------------------- output
 
 
+def transformer_block(d: int, heads: int = 4):
+    """A pre-LN Transformer block of width ``d`` (causal attention, 4d GELU feed-forward):
+    the block of the benchmarks' small Transformer stacks."""
+    import keras
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.ln1, self.ln2 = keras.layers.LayerNormalization(), keras.layers.LayerNormalization()
+            self.att = keras.layers.MultiHeadAttention(heads, d // heads)
+            self.up, self.down = keras.layers.Dense(4 * d, activation="gelu"), keras.layers.Dense(d)
+
+        def call(self, x):
+            h = self.ln1(x)
+            x = x + self.att(h, h, use_causal_mask=True)
+            return x + self.down(self.up(self.ln2(x)))
+
+    return Block()
+
+
 def md_table(headers: str | Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """``headers``: a list, or one string with the headers between ``|``."""
     headers = headers.split("|") if isinstance(headers, str) else headers

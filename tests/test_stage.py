@@ -82,17 +82,20 @@ def test_call_under_tape_reuses_the_traces():
     assert all(t["backward"] >= 1 for t in first)
 
 
+def _step_graph(pm, x_spec):
+    """The GraphDef of ``pm``'s (a compiled PipelineModel's) training step, traced for ``x_spec``."""
+    pm.build(x_spec.shape)
+    pm.optimizer.build(pm.trainable_variables)
+    step = tf.function(pm.train_step)
+    return step.get_concrete_function((x_spec, tf.TensorSpec([None], tf.int64))).graph.as_graph_def()
+
+
 def _step_functions(M, remat, depth=5):
     """Names of the functions the training step's graph holds (its bodies), and its op count."""
     keras.backend.clear_session()
     pm = tf_gpipe.PipelineModel(mlp_layers(depth=depth), num_stages=2, num_micro_batches=M, remat=remat)
     pm.compile(optimizer="sgd", loss=LOSS)
-    pm.build((None, 8))
-    pm.optimizer.build(pm.trainable_variables)
-    step = tf.function(pm.train_step)
-    graph = step.get_concrete_function(
-        (tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([None], tf.int64))
-    ).graph.as_graph_def()
+    graph = _step_graph(pm, tf.TensorSpec([None, 8], tf.float32))
     names = [re.sub(r"(_\d+)+$", "", f.signature.name) for f in graph.library.function]
     return sorted(names), len(graph.node)
 
@@ -168,12 +171,7 @@ def test_every_stage_call_output_is_read_as_data(schedule):
     ]
     pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=3, schedule=schedule)
     pm.compile(optimizer="sgd", loss=LOSS)
-    pm.build((None, 5))
-    pm.optimizer.build(pm.trainable_variables)
-    step = tf.function(pm.train_step)
-    graph = step.get_concrete_function(
-        (tf.TensorSpec([None, 5], tf.int32), tf.TensorSpec([None], tf.int64))
-    ).graph.as_graph_def()
+    graph = _step_graph(pm, tf.TensorSpec([None, 5], tf.int32))
     calls = [n for n in graph.node if "_body" in n.attr["f"].func.name]
     assert len(calls) >= 2 * 3 * 2  # every stage's forward and backward, per micro-batch
     assert _unread_call_outputs(graph) == {}

@@ -77,18 +77,6 @@ def _model(kind, k=1, m=1, devices=None, remat="always", jit=None):
     keras.utils.set_random_seed(0)
     d = FLAGS.width
 
-    class Block(keras.layers.Layer):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            self.ln1, self.ln2 = keras.layers.LayerNormalization(), keras.layers.LayerNormalization()
-            self.att = keras.layers.MultiHeadAttention(4, d // 4)
-            self.up, self.down = keras.layers.Dense(4 * d, activation="gelu"), keras.layers.Dense(d)
-
-        def call(self, x):
-            h = self.ln1(x)
-            x = x + self.att(h, h, use_causal_mask=True)
-            return x + self.down(self.up(self.ln2(x)))
-
     class Accumulating(keras.Sequential):
         def train_step(self, data):
             x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -103,7 +91,7 @@ def _model(kind, k=1, m=1, devices=None, remat="always", jit=None):
             return {}
 
     layers = [keras.Input((FLAGS.seq,), dtype="int32"), keras.layers.Embedding(FLAGS.vocab, d)]
-    layers += [Block() for _ in range(FLAGS.blocks)] + [keras.layers.Dense(FLAGS.vocab)]
+    layers += [harness.transformer_block(d) for _ in range(FLAGS.blocks)] + [keras.layers.Dense(FLAGS.vocab)]
     if kind == "pipe":
         model = tf_gpipe.PipelineModel(
             layers, num_stages=k, num_micro_batches=m, devices=devices, remat=remat

@@ -49,25 +49,13 @@ def _measure(mode: str, M: int) -> dict:
     devs = [d.name for d in tf.config.list_logical_devices("CPU")]
     keras.utils.set_random_seed(0)
 
-    class Block(keras.layers.Layer):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            self.ln1, self.ln2 = keras.layers.LayerNormalization(), keras.layers.LayerNormalization()
-            self.att = keras.layers.MultiHeadAttention(4, D // 4)
-            self.up, self.down = keras.layers.Dense(4 * D, activation="gelu"), keras.layers.Dense(D)
-
-        def call(self, x):
-            h = self.ln1(x)
-            x = x + self.att(h, h, use_causal_mask=True)
-            return x + self.down(self.up(self.ln2(x)))
-
     stages, sums = [], []
     for s in range(K):
         with tf.device(devs[s]):
             x = keras.Input((S, D))
             y = x
             for _ in range(FLAGS.blocks // K):
-                y = Block()(y)
+                y = harness.transformer_block(D)(y)
             stages.append(keras.Model(x, y))
             sums.append([tf.Variable(tf.zeros_like(v)) for v in stages[s].trainable_variables])
     weights = [v for st in stages for v in st.trainable_variables]
