@@ -10,7 +10,7 @@ from helpers import assert_all_close, data, mlp_layers, pair
 import tf_gpipe
 from tf_gpipe import schedules
 from tf_gpipe.plan import PlanError, count_optimizer_slots, measure_update, plan_from_profile, predict
-from tf_gpipe.plan.profile import Affine, LayerProfile, ModelProfile, profile_layers
+from tf_gpipe.plan.profile import ZERO, Affine, LayerProfile, ModelProfile, profile_layers
 
 CPUS = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2", "/device:CPU:3"]
 
@@ -92,6 +92,45 @@ def test_a_stage_holds_the_layers_before_the_one_whose_backward_runs():
     (stage,) = predict.stage_costs(prof, [2], 1)
     assert stage.backward_bytes == 100 + max(1000, 50 + 100 + 1000)
     assert stage.taped_forward_bytes == max(100, 150 + 100)  # the taped forward: kept so far + output
+
+
+def test_a_split_backward_is_priced_as_the_executor_runs_it():
+    # zb-h1's W differentiates w.r.t. the weights only, from the tape (or its own replay): it
+    # runs again the backward of every layer above the stage's lowest layer with weights.
+    # Per example: full backward, input half, weight half; the bottom layer has no weights.
+    def layer(name, params, full, inp, wgt):
+        return LayerProfile(
+            name=name, trainable_bytes=params, non_trainable_bytes=0, forward_s=Affine(0.0, 1.0),
+            backward_s=Affine(0.0, full), input_bytes=Affine(0.0, 8.0), output_bytes=Affine(0.0, 8.0),
+            saved_bytes=ZERO, uses_input=True, saves_output=False,
+            input_grad_s=Affine(0.0, inp), weight_grad_s=Affine(0.0, wgt),
+        )  # fmt: skip
+
+    stage = [layer("relu", 0, 1.0, 1.0, 0.0), layer("d1", 4, 2.0, 1.25, 1.0), layer("d2", 4, 4.0, 3.0, 2.5)]
+    prof = ModelProfile([layer("d0", 4, 3.0, 0.0, 3.0)] + stage, Affine(0.5, 0.0), Affine(0.25, 0.0))
+    s0, s1 = predict.stage_costs(prof, [1, 3], 2)
+    call = 0.25
+    # B: every layer's input half; W: d1's weight half, d2's whole backward; relu: nothing.
+    assert s1.backward_s == 2 * (1.0 + 2.0 + 4.0) + call
+    assert s1.input_grad_s == 2 * (1.0 + 1.25 + 3.0) + call
+    assert s1.weight_grad_s == 2 * (1.0 + 4.0) + call
+    # The first stage computes no input gradient: its B is no call, its W its whole backward.
+    assert (s0.backward_s, s0.input_grad_s, s0.weight_grad_s) == (6.0 + call, 0.0, 6.0 + call)
+    # A first stage whose bottom layer has no weights: neither half runs that layer's backward.
+    (first,) = predict.stage_costs(ModelProfile(stage, Affine(0.0, 0.0), Affine(0.0, 0.0)), [3], 2)
+    assert first.backward_s == first.weight_grad_s == 2 * (1.0 + 4.0) and first.input_grad_s == 0.0
+    # The simulation gets B and W so; re-materialized, each replays the forward (not stage 0's B).
+    zb = schedules.get("zb-h1", 2, 2)
+    for remat in ([False, False], [True, True]):
+        f = [s0.forward_s, s1.forward_s]
+        b = [0.0, s1.input_grad_s + f[1] * remat[1]]
+        w = [s.weight_grad_s + x * r for s, x, r in zip([s0, s1], f, remat)]
+        expected = zb.simulate(f, [x + y for x, y in zip(b, w)], weight_cost=w).makespan
+        assert predict.step_time(zb, [s0, s1], remat)[0] == expected
+    # A schedule that does not split runs the full backward once.
+    one = schedules.get("1f1b", 2, 2)
+    expected = one.simulate([s0.forward_s, s1.forward_s], [s0.backward_s, s1.backward_s]).makespan
+    assert predict.step_time(one, [s0, s1], [False, False])[0] == expected
 
 
 def test_chosen_plan_is_the_fastest_that_fits_the_budget():
@@ -176,6 +215,10 @@ def test_plan_profiles_real_layers():
     assert dense.uses_input and dense.saves_output and last.uses_input and not last.saves_output
     assert dense.input_bytes == Affine(0.0, 16 * 4) and dense.output_bytes == Affine(0.0, 32 * 4)
     assert dense.trainable_bytes == (16 * 32 + 32) * 4
+    # The first layer gets no input gradient: its backward is all weight half; the last is
+    # timed w.r.t. its input only and its weights only.
+    assert dense.input_grad_s == ZERO and dense.weight_grad_s == dense.backward_s
+    assert last.input_grad_s is not None and last.weight_grad_s is not None
     p = tf_gpipe.plan(layers, None, CPUS[:2], 2**30, 8, optimizer="sgd", repeats=1)
     assert p.optimizer_slots == 0 and p.num_stages <= 2 and sum(p.balance) == 2
     assert all(c.schedule != "zb-h1" for c in p.candidates) or _runs("zb-h1")

@@ -2,7 +2,12 @@
 
 Time: each stage's forward and backward are the sums of its layers' (a re-materialized
 stage's backward adds its forward again), and the schedule's simulation
-(``Schedule.simulate``) gives the step time and bubble. Memory per device: weights,
+(``Schedule.simulate``) gives the step time and bubble. A split schedule's (zb-h1) B and W
+are priced as the executor runs them: B differentiates w.r.t. the stage input only, W
+w.r.t. the weights only, each from the forward's tape or its own replay; so W computes
+again the gradients of the activations above the stage's lowest layer with weights (it
+needs them, and B did not keep them), and each replays the forward when re-materialized
+(:func:`_backward_halves`). Memory per device: weights,
 optimizer slots and gradient sums, plus activations walked through the device's own
 order of actions: a forward leaves its stash (the stage input with re-materialization,
 every tensor the backward keeps without), a backward frees it. While a backward runs,
@@ -33,6 +38,8 @@ class StageCost:
 
     forward_s: float
     backward_s: float  # the full backward, without re-computation
+    input_grad_s: float  # a split schedule's B (the input gradient), without re-computation
+    weight_grad_s: float  # its W (the weight gradient), without re-computation
     input_bytes: float  # the stage input of one micro-batch: its stash with remat
     activation_bytes: float  # everything the backward keeps, the input included
     forward_bytes: float  # the most a forward without a tape adds beside its input
@@ -68,9 +75,36 @@ class UpdateCost:
         return trainable_bytes * (self.from_sums if num_micro_batches > 1 else self.from_fresh)
 
 
-def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile) -> StageCost:
+def _halves(p: LayerProfile, n: int) -> tuple[float, float]:
+    """A layer's backward w.r.t. its input only and w.r.t. its weights only (half each if unknown)."""
+    if p.input_grad_s is None or p.weight_grad_s is None:
+        return p.backward_s.at(n) / 2, p.backward_s.at(n) / 2
+    return p.input_grad_s.at(n), p.weight_grad_s.at(n)
+
+
+def _backward_halves(profiles: Sequence[LayerProfile], n: int, first: bool) -> tuple[float, float, float]:
+    """``(full, input, weight)`` backward seconds of a stage's layers (no call overhead).
+
+    ``input`` (B) is every layer's input half: the chain down to the stage input.
+    ``weight`` (W): the weight gradient of a layer needs the gradient of its output, so
+    from the top down to the lowest layer with weights W runs each layer's whole backward
+    and that layer's weight half; below it, nothing. The first stage computes no input
+    gradient: its full backward is its W (and its split B does nothing)."""
+    full = [p.backward_s.at(n) for p in profiles]
+    halves = [_halves(p, n) for p in profiles]
+    lowest = next((i for i, p in enumerate(profiles) if p.trainable_bytes > 0), None)
+    weight = 0.0 if lowest is None else halves[lowest][1] + sum(full[lowest + 1 :])
+    if first and lowest == 0:  # the model's first layer: its backward has no input gradient
+        weight = sum(full)
+    if first:
+        return weight, 0.0, weight
+    return sum(full), sum(h[0] for h in halves), weight
+
+
+def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: bool = False) -> StageCost:
     """Walk the stage's layers in order. While layer ``i`` runs, the layers before it hold what
-    their backward keeps (with a tape, or during a replay) and layer ``i`` its measured peak."""
+    their backward keeps (with a tape, or during a replay) and layer ``i`` its measured peak.
+    ``first``: the model's first stage (no input gradient)."""
     kept_before, forward, taped, backward = 0.0, 0.0, 0.0, 0.0
     for i, p in enumerate(profiles):
         peak_f, peak_b = p.forward_peak.at(n), p.backward_peak.at(n)
@@ -80,15 +114,19 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile) -> Stag
         kept_before += p.saved_bytes.at(n)
         if p.saves_output or (i + 1 < len(profiles) and profiles[i + 1].uses_input):
             kept_before += p.output_bytes.at(n)
-    first = profiles[0].input_bytes.at(n)
+    full, input_grad, weight_grad = _backward_halves(profiles, n, first)
+    call_b = call.backward_call_s.at(n)
+    first_bytes = profiles[0].input_bytes.at(n)
     return StageCost(
         forward_s=sum((p.forward_s for p in profiles), call.forward_call_s).at(n),
-        backward_s=sum((p.backward_s for p in profiles), call.backward_call_s).at(n),
-        input_bytes=first,
-        activation_bytes=first + kept_before,
+        backward_s=full + call_b,
+        input_grad_s=0.0 if first else input_grad + call_b,  # the first stage's B is no call
+        weight_grad_s=weight_grad + call_b,
+        input_bytes=first_bytes,
+        activation_bytes=first_bytes + kept_before,
         forward_bytes=forward,
         taped_forward_bytes=taped,
-        backward_bytes=first + backward,
+        backward_bytes=first_bytes + backward,
         trainable_bytes=sum(p.trainable_bytes for p in profiles),
         non_trainable_bytes=sum(p.non_trainable_bytes for p in profiles),
     )
@@ -98,16 +136,26 @@ def stage_costs(profile: ModelProfile, balance: Sequence[int], n: int) -> list[S
     """Each stage's costs for micro-batches of ``n`` examples; ``balance``: layers per stage.
 
     A stage's time is its layers' plus one function call's overhead per action."""
-    return [_stage(group, n, profile) for group in split_by_balance(list(profile.layers), None, balance)]
+    groups = split_by_balance(list(profile.layers), None, balance)
+    return [_stage(group, n, profile, first=s == 0) for s, group in enumerate(groups)]
 
 
 def step_time(
     schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool]
 ) -> tuple[float, float, Timeline]:
-    """``(seconds, bubble, timeline)`` of one step: a re-materialized backward replays the forward."""
+    """``(seconds, bubble, timeline)`` of one step: a re-materialized backward replays the forward,
+    a split one in B (but on the first stage, whose B does nothing) and again in W."""
     fwd = [s.forward_s for s in stages]
-    bwd = [s.backward_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
-    timeline = schedule.simulate(fwd, bwd)
+    if schedule.split_backward:
+        wgt = [s.weight_grad_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
+        inp = [
+            s.input_grad_s + (s.forward_s if r and i > 0 else 0.0)
+            for i, (s, r) in enumerate(zip(stages, remat))
+        ]
+        timeline = schedule.simulate(fwd, [b + w for b, w in zip(inp, wgt)], weight_cost=wgt)
+    else:
+        bwd = [s.backward_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
+        timeline = schedule.simulate(fwd, bwd)
     busy = sum(timeline.busy(d) for d in range(schedule.num_devices))
     total = schedule.num_devices * timeline.makespan
     return timeline.makespan, (total - busy) / total if total > 0 else 0.0, timeline
