@@ -137,6 +137,40 @@ def test_a_split_backward_is_priced_as_the_executor_runs_it():
     assert predict.step_time(one, [s0, s1], [False, False])[0] == expected
 
 
+def test_a_split_backward_on_a_tape_holds_what_its_w_needs():
+    # Two stages of two layers, n = 1: each keeps 50 of its own; the bottom one's output (100)
+    # is kept as the top one's input, the top one's output (``out``) is not. Stage input 100.
+    # Backward peaks: bottom 2000, top 1000.
+    def stage_profile(out):
+        def layer(name, peak, output):
+            return LayerProfile(
+                name=name, trainable_bytes=0, non_trainable_bytes=0, forward_s=ZERO, backward_s=ZERO,
+                input_bytes=Affine(0.0, 100.0), output_bytes=Affine(0.0, output),
+                saved_bytes=Affine(0.0, 50.0), uses_input=True, saves_output=False,
+                backward_peak=Affine(0.0, peak),
+            )  # fmt: skip
+
+        layers = [layer("a", 2000.0, 100.0), layer("b", 1000.0, out)]
+        return predict.stage_costs(ModelProfile(layers * 2, ZERO, ZERO), [2, 2], 1)
+
+    zb, one = schedules.get("zb-h1", 2, 1), schedules.get("1f1b", 2, 1)
+    never = [False, False]
+    # Kept: a 50 + 100, b 50; with the input the stash is 300. A full backward runs a's peak
+    # once b's kept tensors are freed: 100 + max(0 + 2000, 150 + 1000) = 2100. A split B on a
+    # tape still holds b's 50 for W then: 100 + 50 + 2000.
+    stage = stage_profile(10.0)[1]
+    assert stage.activation_bytes == 300.0 and stage.backward_bytes == 2100.0
+    assert stage.taped_input_grad_bytes == 2150.0
+    assert predict.device_memory(one, stage_profile(10.0), never, 0)[1] == 2100.0
+    # Device 1 (stage 1): its B peaks at 2150; its W at 2100 beside the output gradient B kept.
+    assert predict.device_memory(zb, stage_profile(10.0), never, 0)[1] == max(2150.0, 10.0 + 2100.0)
+    assert predict.device_memory(zb, stage_profile(100.0), never, 0)[1] == max(2150.0, 100.0 + 2100.0)
+    # Stage 0's B has no input gradient to compute: only its W peaks.
+    assert predict.device_memory(zb, stage_profile(10.0), never, 0)[0] == 10.0 + 2100.0
+    # Re-materialized, B replays and frees as it goes: the full backward's peak.
+    assert predict.device_memory(zb, stage_profile(10.0), [True, True], 0)[1] == 10.0 + 2100.0
+
+
 def test_chosen_plan_is_the_fastest_that_fits_the_budget():
     prof = hand_profile(layers=4, act=1000.0, saved=4000.0, params=100)
     free = plan_from_profile(prof, 2, 1e12, 16, max_micro_batches=8)

@@ -7,17 +7,21 @@ are priced as the executor runs them: B differentiates w.r.t. the stage input on
 w.r.t. the weights only, each from the forward's tape or its own replay; so W computes
 again the gradients of the activations above the stage's lowest layer with weights (it
 needs them, and B did not keep them), and each replays the forward when re-materialized
-(:func:`_backward_halves`). Memory per device: weights,
-optimizer slots and gradient sums, plus activations walked through the device's own
-order of actions: a forward leaves its stash (the stage input with re-materialization,
-every tensor the backward keeps without), a backward frees it. While a backward runs,
-the micro-batch's own activations (re-computed, with remat) are live up to the layer
-whose backward runs, beside that layer's measured peak (its gradients and buffers:
-``LayerProfile.backward_peak``) and every other stash still held. After the last
-backward the optimizer update runs: its temporaries (:class:`UpdateCost`, measured per
-optimizer) beside the weights, slots and gradients, when the activations are gone; a
-device's peak is the larger of the two phases. Ignored: the loss, the traced graph,
-allocator fragmentation, and the copies between devices.
+(:func:`_backward_halves`).
+
+Memory per device: weights, optimizer slots and gradient sums, plus activations walked
+through the device's own order of actions: a forward leaves its stash (the stage input
+with re-materialization, every tensor the backward keeps without), a backward frees it.
+While a backward runs, the micro-batch's own activations (re-computed, with remat) are
+live up to the layer whose backward runs, beside that layer's measured peak (its
+gradients and buffers: ``LayerProfile.backward_peak``) and every other stash still held.
+Split: W frees the stash, and the output gradient its B kept; a B on a tape frees nothing
+as it goes (W reads every kept tensor). After the last backward the optimizer update
+runs: its temporaries (:class:`UpdateCost`, measured per optimizer) beside the weights,
+slots and gradients, when the activations are gone; a device's peak is the larger of the
+two phases. Ignored: the loss, the traced graph, allocator fragmentation, the copies
+between devices, and the constants a persistent tape (a split schedule without remat)
+leaves in the step (benchmarks/plan/README.md).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class StageCost:
     forward_bytes: float  # the most a forward without a tape adds beside its input
     taped_forward_bytes: float  # the most a taped forward adds beside its input (its stash included)
     backward_bytes: float  # the most a backward holds: its input, activations, gradients, buffers
+    taped_input_grad_bytes: float  # the most a split B on a tape holds: it frees nothing (W reads it all)
+    output_bytes: float  # the stage output of one micro-batch: its gradient, kept from B until W
     trainable_bytes: int
     non_trainable_bytes: int
 
@@ -106,14 +112,20 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: 
     their backward keeps (with a tape, or during a replay) and layer ``i`` its measured peak.
     ``first``: the model's first stage (no input gradient)."""
     kept_before, forward, taped, backward = 0.0, 0.0, 0.0, 0.0
+    own = []  # (what each layer keeps for the backward, its backward's peak)
     for i, p in enumerate(profiles):
         peak_f, peak_b = p.forward_peak.at(n), p.backward_peak.at(n)
         forward = max(forward, peak_f + (p.input_bytes.at(n) if i > 0 else 0.0))
         taped = max(taped, kept_before + peak_f)
         backward = max(backward, kept_before + peak_b)
-        kept_before += p.saved_bytes.at(n)
+        keeps = p.saved_bytes.at(n)
         if p.saves_output or (i + 1 < len(profiles) and profiles[i + 1].uses_input):
-            kept_before += p.output_bytes.at(n)
+            keeps += p.output_bytes.at(n)
+        kept_before += keeps
+        own.append((keeps, peak_b))
+    # A split B on a tape leaves every kept tensor to its W: while layer i's input gradient
+    # runs, the layers above it still hold theirs (a full backward has freed them by then).
+    taped_input_grad = max(kept_before - keeps + peak_b for keeps, peak_b in own)
     full, input_grad, weight_grad = _backward_halves(profiles, n, first)
     call_b = call.backward_call_s.at(n)
     first_bytes = profiles[0].input_bytes.at(n)
@@ -127,6 +139,8 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: 
         forward_bytes=forward,
         taped_forward_bytes=taped,
         backward_bytes=first_bytes + backward,
+        taped_input_grad_bytes=first_bytes + taped_input_grad,
+        output_bytes=profiles[-1].output_bytes.at(n),
         trainable_bytes=sum(p.trainable_bytes for p in profiles),
         non_trainable_bytes=sum(p.non_trainable_bytes for p in profiles),
     )
@@ -172,7 +186,8 @@ def _events(
 ) -> dict[int, list[tuple[Action, float, float, float]]]:
     """Per device, for each action in its order: (action, bytes held while it runs, the most it
     adds for a moment (its layers' peaks: outputs, gradients, buffers), bytes held after it)."""
-    release = "W" if schedule.split_backward else "B"
+    split = schedule.split_backward
+    release = "W" if split else "B"
     out: dict[int, list[tuple[Action, float, float, float]]] = {}
     for d, actions in enumerate(schedule.orders):
         live = _initial(schedule, stages, d)
@@ -192,7 +207,15 @@ def _events(
                 # Its own stash is part of what the backward holds (re-built, with remat).
                 own = stash + (s.input_bytes if a.stage == 0 else 0.0)
                 held = live - own + s.activation_bytes
-                spike = max(s.backward_bytes - s.activation_bytes, 0.0)
+                peak = s.backward_bytes
+                if split and a.kind == "B":
+                    if a.stage == 0:  # nothing to compute: no replay, no gradients
+                        held, peak = live, s.activation_bytes
+                    elif not remat[a.stage]:
+                        peak = s.taped_input_grad_bytes
+                spike = max(peak - s.activation_bytes, 0.0)
+                if split:  # the gradient a B received is kept for its W
+                    live += s.output_bytes if a.kind == "B" else -s.output_bytes
                 if a.kind == release:
                     live -= own
             rows.append((a, held, spike, live))
