@@ -1,6 +1,8 @@
 """tf_gpipe.plan: the prediction formulas, the search under a budget, the nothing-fits message,
 and PipelineModel(plan=p). Most tests plan from a hand-made profile: no timing, exact numbers."""
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -169,6 +171,73 @@ def test_a_split_backward_on_a_tape_holds_what_its_w_needs():
     assert predict.device_memory(zb, stage_profile(10.0), never, 0)[0] == 10.0 + 2100.0
     # Re-materialized, B replays and frees as it goes: the full backward's peak.
     assert predict.device_memory(zb, stage_profile(10.0), [True, True], 0)[1] == 10.0 + 2100.0
+
+
+def _shapes_profile(layers):
+    """A profile that knows only each layer's weight shapes (what ``sum_zeros_bytes`` reads)."""
+    return ModelProfile(
+        [
+            LayerProfile(
+                name=layer.name,
+                trainable_bytes=0,
+                non_trainable_bytes=0,
+                forward_s=ZERO,
+                backward_s=ZERO,
+                input_bytes=ZERO,
+                output_bytes=ZERO,
+                saved_bytes=ZERO,
+                uses_input=False,
+                saves_output=False,
+                weight_shapes=tuple((tuple(w.shape), 4) for w in layer.trainable_weights),
+            )
+            for layer in layers
+        ],
+        ZERO,
+        ZERO,
+    )
+
+
+def test_the_gradient_sums_zeros_are_counted_once_per_weight_shape_and_stage():
+    # A stage with two 4 x 4 kernels and a 4-element bias: the zeros that reset its sums are one
+    # buffer per distinct shape (16 + 4 floats), and exist only with sums (M > 1).
+    layers = [keras.layers.Dense(4), keras.layers.Dense(4, use_bias=False)]
+    for layer in layers:
+        layer.build((None, 4))
+    (stage,) = predict.stage_costs(_shapes_profile(layers), [2], 1)
+    assert stage.sum_zeros_bytes == (16 + 4) * 4
+    assert predict.static_bytes(stage, 2, 2) - predict.static_bytes(stage, 2, 1) == (16 + 4) * 4
+    both = predict.stage_costs(_shapes_profile(layers), [1, 1], 1)
+    assert [s.sum_zeros_bytes for s in both] == [(16 + 4) * 4, 16 * 4]  # one set per stage
+    gpipe, none = schedules.get("gpipe", 1, 2), dataclasses.replace(stage, sum_zeros_bytes=0.0)
+    memory = [predict.device_memory(gpipe, [s], [True], 0)[0] for s in (stage, none)]
+    assert memory[0] - memory[1] == (16 + 4) * 4
+
+
+def test_the_step_holds_the_gradient_sums_zeros():
+    """What ``StageCost.sum_zeros_bytes`` stands for, measured: the step function holds those
+    bytes for as long as it lives (freed with it), and holds nothing of the kind with M = 1."""
+    import gc
+
+    def held(num_micro_batches):
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(512) for _ in range(4)] + [keras.layers.Dense(3)]
+        pm = tf_gpipe.PipelineModel(
+            layers, num_stages=2, balance=[1, 4], num_micro_batches=num_micro_batches, remat="never"
+        )
+        pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = np.random.RandomState(0).randn(8, 512).astype("float32"), np.arange(8) % 3
+        for _ in range(2):
+            pm.train_on_batch(x, y)
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        pm.train_function = None
+        gc.collect()
+        return before - tf.config.experimental.get_memory_info("CPU:0")["current"], layers
+
+    freed, layers = held(2)
+    expected = sum(s.sum_zeros_bytes for s in predict.stage_costs(_shapes_profile(layers), [1, 4], 4))
+    assert expected > 2**20  # one 512 x 512 kernel per stage, and the biases
+    assert abs(freed - expected) < 0.05 * expected, (freed, expected)
+    assert held(1)[0] < 0.05 * expected
 
 
 def test_chosen_plan_is_the_fastest_that_fits_the_budget():

@@ -144,27 +144,6 @@ def test_gradient_sums_are_not_weights_and_not_saved(tmp_path):
     assert_all_close(pm.get_weights(), loaded.get_weights(), rtol=1e-6, atol=1e-6)
 
 
-def test_zeroing_the_gradient_sums_leaves_no_copy_of_them():
-    """Each step zeroes the gradient sums; zeros of a shape known when tracing would be folded
-    into constants the step function holds for as long as it lives (3 MiB here, measured when
-    broken: about a 1 MiB kernel's worth or more per stage)."""
-    import gc
-
-    keras.utils.set_random_seed(0)
-    width = 512  # a kernel: 1 MiB
-    layers = [keras.layers.Dense(width) for _ in range(4)] + [keras.layers.Dense(3)]
-    pm = tf_gpipe.PipelineModel(layers, num_stages=2, balance=[2, 3], num_micro_batches=2)
-    pm.compile(optimizer="sgd", loss=LOSS)
-    x, y = np.random.RandomState(0).randn(8, width).astype("float32"), np.arange(8) % 3
-    for _ in range(2):
-        pm.train_on_batch(x, y)
-    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    pm.train_function = None  # what the step function alone held is freed with it
-    gc.collect()
-    freed = held - tf.config.experimental.get_memory_info("CPU:0")["current"]
-    assert freed < 2**18, freed / 2**20  # a quarter of one kernel
-
-
 @pytest.mark.parametrize("remat", ["always", "never"])
 def test_training_step_is_traced_once(remat, monkeypatch):
     """compile makes the optimizer slots and the gradient sums: a tf.function that creates

@@ -197,14 +197,7 @@ class StageFunctions:
 
     def _zero_body(self):
         self.traces["sum"] += 1
-        # Zeros of a shape known when tracing (tf.zeros_like(s)) are folded by Grappler into a
-        # constant that the step function then holds for good: one buffer per distinct weight
-        # shape per stage (~0.8 x the weights of an MLP), and a copy at each zeroing. A shape
-        # read from the variable at run time cannot be folded.
-        sums = self.sums(self.cell.trainable_variables)
-        return _ready(
-            [s.assign(tf.fill(tf.raw_ops.VariableShape(input=s.handle), tf.zeros((), s.dtype))) for s in sums]
-        )
+        return _ready([s.assign(tf.zeros_like(s)) for s in self.sums(self.cell.trainable_variables)])
 
     def _add_body(self, grads, nonempty):
         self.traces["sum"] += 1

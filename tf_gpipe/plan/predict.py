@@ -19,13 +19,15 @@ Split: W frees the stash, and the output gradient its B kept; a B on a tape free
 as it goes (W reads every kept tensor). After the last backward the optimizer update
 runs: its temporaries (:class:`UpdateCost`, measured per optimizer) beside the weights,
 slots and gradients, when the activations are gone; a device's peak is the larger of the
-two phases. Ignored: the loss, the traced graph, allocator fragmentation, the copies
-between devices, and the constants a persistent tape (a split schedule without remat)
-leaves in the step (benchmarks/plan/README.md).
+two phases. Static bytes include, with gradient sums, the constants the step function
+holds to zero them (one per distinct weight shape and stage). Ignored: the loss, the
+traced graph, allocator fragmentation, the copies between devices, and what a persistent
+tape (a split schedule without remat) costs (benchmarks/plan/README.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +55,9 @@ class StageCost:
     output_bytes: float  # the stage output of one micro-batch: its gradient, kept from B until W
     trainable_bytes: int
     non_trainable_bytes: int
+    # One buffer per distinct weight shape: the zeros that reset the gradient sums each step
+    # (M > 1), which Grappler folds into constants the step function holds as long as it lives.
+    sum_zeros_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,9 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: 
         output_bytes=profiles[-1].output_bytes.at(n),
         trainable_bytes=sum(p.trainable_bytes for p in profiles),
         non_trainable_bytes=sum(p.non_trainable_bytes for p in profiles),
+        sum_zeros_bytes=float(
+            sum(math.prod(shape) * size for shape, size in {w for p in profiles for w in p.weight_shapes})
+        ),
     )
 
 
@@ -175,10 +183,12 @@ def step_time(
     return timeline.makespan, (total - busy) / total if total > 0 else 0.0, timeline
 
 
-def static_bytes(stage: StageCost, optimizer_slots: int) -> float:
+def static_bytes(stage: StageCost, optimizer_slots: int, num_micro_batches: int) -> float:
     """Weights, their optimizer slots and their gradient sums (fit keeps a sum per trainable
-    weight when M > 1; with M = 1 the gradients, as many bytes, live until the update)."""
-    return stage.trainable_bytes * (2 + optimizer_slots) + stage.non_trainable_bytes
+    weight when M > 1; with M = 1 the gradients, as many bytes, live until the update), and
+    with sums the constants that zero them (``StageCost.sum_zeros_bytes``)."""
+    zeros = stage.sum_zeros_bytes if num_micro_batches > 1 else 0.0
+    return stage.trainable_bytes * (2 + optimizer_slots) + stage.non_trainable_bytes + zeros
 
 
 def _events(
@@ -246,7 +256,7 @@ def device_memory(
     :meth:`UpdateCost.estimate`)."""
     static = [0.0] * schedule.num_devices
     for i, s in enumerate(stages):
-        static[schedule.device_of(i)] += static_bytes(s, optimizer_slots)
+        static[schedule.device_of(i)] += static_bytes(s, optimizer_slots, schedule.num_micro_batches)
     events = _events(schedule, stages, remat)
     updates = _update(schedule, stages, update, optimizer_slots)
     return [
@@ -276,7 +286,7 @@ def process_peak(
     """
     if timeline is None:
         timeline = step_time(schedule, stages, remat)[2]
-    static = sum(static_bytes(s, optimizer_slots) for s in stages)
+    static = sum(static_bytes(s, optimizer_slots, schedule.num_micro_batches) for s in stages)
     # (time, ends first, device, bytes held from then on, momentary peak from then on)
     changes: list[tuple[float, int, int, float, float]] = []
     for d, rows in _events(schedule, stages, remat).items():

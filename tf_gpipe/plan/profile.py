@@ -79,6 +79,7 @@ class LayerProfile:
     For a layer without weights the first is its backward and the second zero; the
     model's first layer gets no input gradient, so its first is zero and its second
     its backward. None where not measured (a hand-made profile): half the backward each.
+    ``weight_shapes``: (shape, bytes per element) of each trainable weight.
     """
 
     name: str
@@ -95,6 +96,7 @@ class LayerProfile:
     backward_peak: Affine = ZERO
     input_grad_s: Affine | None = None
     weight_grad_s: Affine | None = None
+    weight_shapes: tuple[tuple[tuple[int, ...], int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -374,6 +376,10 @@ def profile_layers(
                 backward_peak=Affine.fit(n1, peaks_at[0][1], n2, peaks_at[-1][1]),
                 input_grad_s=input_grad_s,
                 weight_grad_s=weight_grad_s,
+                weight_shapes=tuple(
+                    (tuple(int(d) for d in w.shape), tf.as_dtype(w.dtype).size)
+                    for w in layer.trainable_weights
+                ),
             )
         )
     return ModelProfile(out, Affine.fit(n1, call_f1, n2, call_f2), Affine.fit(n1, call_b1, n2, call_b2))

@@ -175,7 +175,7 @@ class Plan:
                 bwd = f"{b * 1e3:.3f}+{(st.weight_grad_s + replay) * 1e3:.3f}"
             rows.append(
                 [str(s), device, shown, f"{st.forward_s * 1e3:.3f}", bwd, _mib(stash),
-                 _mib(static_bytes(st, self.optimizer_slots)), _mib(c.peak_bytes[d])]
+                 _mib(static_bytes(st, self.optimizer_slots, c.num_micro_batches)), _mib(c.peak_bytes[d])]
             )  # fmt: skip
         lines += _table(rows)
         lines += ["", f"Candidates ({len(self.candidates)} weighed, fastest first; * chosen):"]
@@ -209,7 +209,7 @@ def nothing_fits(
     least = min(candidates, key=lambda x: x.max_peak)
     heaviest = max(range(len(least.peak_bytes)), key=lambda d: least.peak_bytes[d])
     static = sum(
-        static_bytes(st, optimizer_slots)
+        static_bytes(st, optimizer_slots, least.num_micro_batches)
         for s, st in enumerate(least.stages)
         if s % least.num_stages == heaviest
     )
