@@ -177,8 +177,6 @@ def main(argv):
     import keras
     import numpy as np
 
-    import tf_gpipe
-
     keras.utils.set_random_seed(FLAGS.seed)
 
     dataset = FLAGS.dataset
@@ -205,20 +203,9 @@ def main(argv):
     )
 
     layers = build_layers(x.shape[1:], len(class_names), FLAGS.filters, FLAGS.dropout)
-    if FLAGS.plan_memory_budget:  # the planner picks K (up to --num_stages), cuts, M, remat, schedule
-        plan = tf_gpipe.plan(
-            layers,
-            (FLAGS.batch_size,) + tuple(x.shape[1:]),
-            FLAGS.num_stages,
-            FLAGS.plan_memory_budget,
-            FLAGS.batch_size,
-            optimizer="adam",
-            repeats=2,
-        )
-        print(plan.report(limit=8))
-        model = tf_gpipe.PipelineModel(layers, plan=plan, name="gpipe_cnn")
-    else:
-        model = tf_gpipe.PipelineModel(layers, name="gpipe_cnn", **pipeline_flags.pipeline_kwargs(FLAGS))
+    # With --plan_memory_budget the planner picks K (up to --num_stages), cuts, M, remat, schedule.
+    sample = (FLAGS.batch_size,) + tuple(x.shape[1:])
+    model, _ = pipeline_flags.pipeline_model(layers, sample, FLAGS.batch_size, name="gpipe_cnn")
     model.compile(
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -129,26 +129,16 @@ def main(argv):
     )
 
     layers = build_layers(FLAGS.num_classes, FLAGS.hidden_units, FLAGS.num_blocks, FLAGS.dropout)
-    if FLAGS.plan_memory_budget:  # the planner picks K, cuts, M, remat and schedule
-        plan = tf_gpipe.plan(
-            layers,
-            (FLAGS.batch_size, x.shape[1]),
-            FLAGS.num_stages,
-            FLAGS.plan_memory_budget,
-            FLAGS.batch_size,
-            optimizer="adam",
-            repeats=2,
-        )
-        print(plan.report(limit=8))
-        model = tf_gpipe.PipelineModel(layers, plan=plan, name="gpipe_classifier")
-    else:
-        model = tf_gpipe.PipelineModel(
-            layers,
-            num_stages=FLAGS.num_stages,
-            num_micro_batches=FLAGS.num_micro_batches,
-            remat=FLAGS.remat,
-            name="gpipe_classifier",
-        )
+    # With --plan_memory_budget the planner picks K (up to --num_stages), cuts, M, remat, schedule.
+    model, _ = pipeline_flags.pipeline_model(
+        layers,
+        (FLAGS.batch_size, x.shape[1]),
+        FLAGS.batch_size,
+        name="gpipe_classifier",
+        kwargs=dict(
+            num_stages=FLAGS.num_stages, num_micro_batches=FLAGS.num_micro_batches, remat=FLAGS.remat
+        ),
+    )
     model.compile(
         optimizer=keras.optimizers.Adam(FLAGS.learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

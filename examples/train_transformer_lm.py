@@ -513,22 +513,14 @@ def main(argv):
         0.0, FLAGS.steps - warmup, alpha=0.1, warmup_target=FLAGS.learning_rate, warmup_steps=warmup
     )
     optimizer = keras.optimizers.Adam(schedule, global_clipnorm=1.0)
-    if FLAGS.plan_memory_budget:  # the planner picks K (up to --num_stages), cuts, M, remat, schedule
-        plan = tf_gpipe.plan(
-            layers,
-            x_val[: FLAGS.batch_size],  # token ids: the embedding needs integers, not a shape
-            FLAGS.num_stages,
-            FLAGS.plan_memory_budget,
-            FLAGS.batch_size,
-            optimizer=optimizer,  # its slots, and its update's temporaries (measured)
-            repeats=2,
-        )
-        print(plan.report(limit=8))
-        settings = plan.settings()
-        model = tf_gpipe.PipelineModel(layers, plan=plan, name="gpipe_lm")
-    else:
-        settings = pipeline_flags.pipeline_kwargs(FLAGS)
-        model = tf_gpipe.PipelineModel(layers, name="gpipe_lm", **settings)
+    # With --plan_memory_budget the planner picks K (up to --num_stages), cuts, M, remat, schedule.
+    model, settings = pipeline_flags.pipeline_model(
+        layers,
+        x_val[: FLAGS.batch_size],  # token ids: the embedding needs integers, not a shape
+        FLAGS.batch_size,
+        optimizer=optimizer,  # its slots, and its update's temporaries (measured)
+        name="gpipe_lm",
+    )
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

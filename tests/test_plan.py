@@ -1,6 +1,8 @@
 """tf_gpipe.plan: the prediction formulas, the search under a budget, the nothing-fits message,
 and PipelineModel(plan=p). Most tests plan from a hand-made profile: no timing, exact numbers."""
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from helpers import assert_all_close, data, mlp_layers, pair
 import tf_gpipe
 from tf_gpipe import schedules
 from tf_gpipe.plan import PlanError, count_optimizer_slots, measure_update, plan_from_profile, predict
-from tf_gpipe.plan.profile import Affine, LayerProfile, ModelProfile, profile_layers
+from tf_gpipe.plan.profile import ZERO, Affine, LayerProfile, ModelProfile, profile_layers
 
 CPUS = ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2", "/device:CPU:3"]
 
@@ -92,6 +94,150 @@ def test_a_stage_holds_the_layers_before_the_one_whose_backward_runs():
     (stage,) = predict.stage_costs(prof, [2], 1)
     assert stage.backward_bytes == 100 + max(1000, 50 + 100 + 1000)
     assert stage.taped_forward_bytes == max(100, 150 + 100)  # the taped forward: kept so far + output
+
+
+def test_a_split_backward_is_priced_as_the_executor_runs_it():
+    # zb-h1's W differentiates w.r.t. the weights only, from the tape (or its own replay): it
+    # runs again the backward of every layer above the stage's lowest layer with weights.
+    # Per example: full backward, input half, weight half; the bottom layer has no weights.
+    def layer(name, params, full, inp, wgt):
+        return LayerProfile(
+            name=name, trainable_bytes=params, non_trainable_bytes=0, forward_s=Affine(0.0, 1.0),
+            backward_s=Affine(0.0, full), input_bytes=Affine(0.0, 8.0), output_bytes=Affine(0.0, 8.0),
+            saved_bytes=ZERO, uses_input=True, saves_output=False,
+            input_grad_s=Affine(0.0, inp), weight_grad_s=Affine(0.0, wgt),
+        )  # fmt: skip
+
+    stage = [layer("relu", 0, 1.0, 1.0, 0.0), layer("d1", 4, 2.0, 1.25, 1.0), layer("d2", 4, 4.0, 3.0, 2.5)]
+    prof = ModelProfile([layer("d0", 4, 3.0, 0.0, 3.0)] + stage, Affine(0.5, 0.0), Affine(0.25, 0.0))
+    s0, s1 = predict.stage_costs(prof, [1, 3], 2)
+    call = 0.25
+    # B: every layer's input half; W: d1's weight half, d2's whole backward; relu: nothing.
+    assert s1.backward_s == 2 * (1.0 + 2.0 + 4.0) + call
+    assert s1.input_grad_s == 2 * (1.0 + 1.25 + 3.0) + call
+    assert s1.weight_grad_s == 2 * (1.0 + 4.0) + call
+    # The first stage computes no input gradient: its B is no call, its W its whole backward.
+    assert (s0.backward_s, s0.input_grad_s, s0.weight_grad_s) == (6.0 + call, 0.0, 6.0 + call)
+    # A first stage whose bottom layer has no weights: neither half runs that layer's backward.
+    (first,) = predict.stage_costs(ModelProfile(stage, Affine(0.0, 0.0), Affine(0.0, 0.0)), [3], 2)
+    assert first.backward_s == first.weight_grad_s == 2 * (1.0 + 4.0) and first.input_grad_s == 0.0
+    # The simulation gets B and W so; re-materialized, each replays the forward (not stage 0's B).
+    zb = schedules.get("zb-h1", 2, 2)
+    for remat in ([False, False], [True, True]):
+        f = [s0.forward_s, s1.forward_s]
+        b = [0.0, s1.input_grad_s + f[1] * remat[1]]
+        w = [s.weight_grad_s + x * r for s, x, r in zip([s0, s1], f, remat)]
+        expected = zb.simulate(f, [x + y for x, y in zip(b, w)], weight_cost=w).makespan
+        seconds, _, timeline = predict.step_time(zb, [s0, s1], remat)
+        assert seconds == expected
+        durations = {(a.kind, a.stage): slot.end - slot.start for a, slot in timeline.slots.items()}
+        assert durations == {**{("F", s): f[s] for s in (0, 1)}, **{("B", s): b[s] for s in (0, 1)},
+                             **{("W", s): w[s] for s in (0, 1)}}  # fmt: skip
+    # A schedule that does not split runs the full backward once.
+    one = schedules.get("1f1b", 2, 2)
+    expected = one.simulate([s0.forward_s, s1.forward_s], [s0.backward_s, s1.backward_s]).makespan
+    assert predict.step_time(one, [s0, s1], [False, False])[0] == expected
+
+
+def test_a_split_backward_on_a_tape_holds_what_its_w_needs():
+    # Two stages of two layers, n = 1: each keeps 50 of its own; the bottom one's output (100)
+    # is kept as the top one's input, the top one's output (``out``) is not. Stage input 100.
+    # Backward peaks: bottom 2000, top 1000.
+    def stage_profile(out):
+        def layer(name, peak, output):
+            return LayerProfile(
+                name=name, trainable_bytes=0, non_trainable_bytes=0, forward_s=ZERO, backward_s=ZERO,
+                input_bytes=Affine(0.0, 100.0), output_bytes=Affine(0.0, output),
+                saved_bytes=Affine(0.0, 50.0), uses_input=True, saves_output=False,
+                backward_peak=Affine(0.0, peak),
+            )  # fmt: skip
+
+        layers = [layer("a", 2000.0, 100.0), layer("b", 1000.0, out)]
+        return predict.stage_costs(ModelProfile(layers * 2, ZERO, ZERO), [2, 2], 1)
+
+    zb, one = schedules.get("zb-h1", 2, 1), schedules.get("1f1b", 2, 1)
+    never = [False, False]
+    # Kept: a 50 + 100, b 50; with the input the stash is 300. A full backward runs a's peak
+    # once b's kept tensors are freed: 100 + max(0 + 2000, 150 + 1000) = 2100. A split B on a
+    # tape still holds b's 50 for W then: 100 + 50 + 2000.
+    stage = stage_profile(10.0)[1]
+    assert stage.activation_bytes == 300.0 and stage.backward_bytes == 2100.0
+    assert stage.taped_input_grad_bytes == 2150.0
+    assert predict.device_memory(one, stage_profile(10.0), never, 0)[1] == 2100.0
+    # Device 1 (stage 1): its B peaks at 2150; its W at 2100 beside the output gradient B kept.
+    assert predict.device_memory(zb, stage_profile(10.0), never, 0)[1] == max(2150.0, 10.0 + 2100.0)
+    assert predict.device_memory(zb, stage_profile(100.0), never, 0)[1] == max(2150.0, 100.0 + 2100.0)
+    # Stage 0's B has no input gradient to compute: only its W peaks.
+    assert predict.device_memory(zb, stage_profile(10.0), never, 0)[0] == 10.0 + 2100.0
+    # Re-materialized, B replays and frees as it goes: the full backward's peak.
+    assert predict.device_memory(zb, stage_profile(10.0), [True, True], 0)[1] == 10.0 + 2100.0
+
+
+def _shapes_profile(layers):
+    """A profile that knows only each layer's weight shapes (what ``sum_zeros_bytes`` reads)."""
+    return ModelProfile(
+        [
+            LayerProfile(
+                name=layer.name,
+                trainable_bytes=0,
+                non_trainable_bytes=0,
+                forward_s=ZERO,
+                backward_s=ZERO,
+                input_bytes=ZERO,
+                output_bytes=ZERO,
+                saved_bytes=ZERO,
+                uses_input=False,
+                saves_output=False,
+                weight_shapes=tuple((tuple(w.shape), 4) for w in layer.trainable_weights),
+            )
+            for layer in layers
+        ],
+        ZERO,
+        ZERO,
+    )
+
+
+def test_the_gradient_sums_zeros_are_counted_once_per_weight_shape_and_stage():
+    # A stage with two 4 x 4 kernels and a 4-element bias: the zeros that reset its sums are one
+    # buffer per distinct shape (16 + 4 floats), and exist only with sums (M > 1).
+    layers = [keras.layers.Dense(4), keras.layers.Dense(4, use_bias=False)]
+    for layer in layers:
+        layer.build((None, 4))
+    (stage,) = predict.stage_costs(_shapes_profile(layers), [2], 1)
+    assert stage.sum_zeros_bytes == (16 + 4) * 4
+    assert predict.static_bytes(stage, 2, 2) - predict.static_bytes(stage, 2, 1) == (16 + 4) * 4
+    both = predict.stage_costs(_shapes_profile(layers), [1, 1], 1)
+    assert [s.sum_zeros_bytes for s in both] == [(16 + 4) * 4, 16 * 4]  # one set per stage
+    gpipe, none = schedules.get("gpipe", 1, 2), dataclasses.replace(stage, sum_zeros_bytes=0.0)
+    memory = [predict.device_memory(gpipe, [s], [True], 0)[0] for s in (stage, none)]
+    assert memory[0] - memory[1] == (16 + 4) * 4
+
+
+def test_the_step_holds_the_gradient_sums_zeros():
+    """What ``StageCost.sum_zeros_bytes`` stands for, measured: the step function holds those
+    bytes for as long as it lives (freed with it), and holds nothing of the kind with M = 1."""
+    import gc
+
+    def held(num_micro_batches):
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(512) for _ in range(4)] + [keras.layers.Dense(3)]
+        pm = tf_gpipe.PipelineModel(
+            layers, num_stages=2, balance=[1, 4], num_micro_batches=num_micro_batches, remat="never"
+        )
+        pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = np.random.RandomState(0).randn(8, 512).astype("float32"), np.arange(8) % 3
+        for _ in range(2):
+            pm.train_on_batch(x, y)
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        pm.train_function = None
+        gc.collect()
+        return before - tf.config.experimental.get_memory_info("CPU:0")["current"], layers
+
+    freed, layers = held(2)
+    expected = sum(s.sum_zeros_bytes for s in predict.stage_costs(_shapes_profile(layers), [1, 4], 4))
+    assert expected > 2**20  # one 512 x 512 kernel per stage, and the biases
+    assert abs(freed - expected) < 0.05 * expected, (freed, expected)
+    assert held(1)[0] < 0.05 * expected
 
 
 def test_chosen_plan_is_the_fastest_that_fits_the_budget():
@@ -176,6 +322,11 @@ def test_plan_profiles_real_layers():
     assert dense.uses_input and dense.saves_output and last.uses_input and not last.saves_output
     assert dense.input_bytes == Affine(0.0, 16 * 4) and dense.output_bytes == Affine(0.0, 32 * 4)
     assert dense.trainable_bytes == (16 * 32 + 32) * 4
+    # The first layer gets no input gradient: its backward is all weight half (the same
+    # objects: timing may round any of them to zero); the last is timed w.r.t. its input
+    # only and its weights only.
+    assert dense.input_grad_s is ZERO and dense.weight_grad_s is dense.backward_s
+    assert last.input_grad_s is not None and last.weight_grad_s is not None
     p = tf_gpipe.plan(layers, None, CPUS[:2], 2**30, 8, optimizer="sgd", repeats=1)
     assert p.optimizer_slots == 0 and p.num_stages <= 2 and sum(p.balance) == 2
     assert all(c.schedule != "zb-h1" for c in p.candidates) or _runs("zb-h1")

@@ -14,6 +14,9 @@ them over::
 
     app.run(main)
 
+With ``define_plan_flags()`` too, ``pipeline_model(layers, sample, batch)`` builds the
+model from ``tf_gpipe.plan`` when ``--plan_memory_budget`` is given, else from the flags.
+
 The flags are checked when absl parses them, so a bad value stops the script
 before TensorFlow starts, with a message that names the flag.
 """
@@ -32,6 +35,7 @@ __all__ = [
     "define_plan_flags",
     "parse_bytes",
     "pipeline_kwargs",
+    "pipeline_model",
     "setup_devices",
 ]
 
@@ -392,3 +396,39 @@ def define_plan_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "and prints its report.",
         flag_values=flag_values,
     )
+
+
+def pipeline_model(
+    layers: Any,
+    sample_input: Any,
+    global_batch: int,
+    *,
+    optimizer: Any = "adam",
+    name: str | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    flag_values: flags.FlagValues = flags.FLAGS,
+) -> tuple[Any, dict[str, Any]]:
+    """``(PipelineModel(layers), the settings it was built with)``, as the flags say.
+
+    With ``--plan_memory_budget`` (:func:`define_plan_flags`) ``tf_gpipe.plan`` chooses
+    the settings, K up to ``--num_stages``, for ``global_batch`` examples a step and
+    ``optimizer`` (its slots and update are counted), and its report is printed; else
+    they are ``kwargs`` (default :func:`pipeline_kwargs`).
+    """
+    import tf_gpipe  # here, not at the top: the flags are parsed before TensorFlow starts
+
+    fv = flag_values
+    if fv.plan_memory_budget:
+        plan = tf_gpipe.plan(
+            layers,
+            sample_input,
+            fv.num_stages,
+            fv.plan_memory_budget,
+            global_batch,
+            optimizer=optimizer,
+            repeats=2,
+        )
+        print(plan.report(limit=8))
+        return tf_gpipe.PipelineModel(layers, plan=plan, name=name), plan.settings()
+    settings = pipeline_kwargs(fv) if kwargs is None else dict(kwargs)
+    return tf_gpipe.PipelineModel(layers, name=name, **settings), settings

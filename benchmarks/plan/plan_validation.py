@@ -38,6 +38,10 @@ flags.DEFINE_float("work_ms_per_example", 0.1, "Serial work per example per real
 flags.DEFINE_float("work_fixed_ms", 3.0, "Serial work per call per real layer, forward (ms).")
 flags.DEFINE_integer("max_micro_batches", 16, "The largest M the planner tries.")
 flags.DEFINE_bool("also_remat", True, "Also measure the fastest fitting candidate of each other remat mode.")
+flags.DEFINE_list("schedules", [], "Schedules the planner weighs (default: every one it can run).")
+flags.DEFINE_list(
+    "also_schedules", [], "Also measure the fastest fitting candidate of each of these schedules."
+)
 flags.DEFINE_integer("steps", 5, "Timed steps (median), after two untimed ones.")
 flags.DEFINE_string("optimizer", "adam", "Optimizer (the planner counts its slots and measures its update).")
 flags.DEFINE_integer("repeats", 3, "Timed calls per layer and batch size when profiling.")
@@ -56,10 +60,15 @@ def _work_layer():
     import serial_device as sd
     import tensorflow as tf
 
+    from tf_gpipe import is_recomputing
+
     class Work(keras.layers.Layer):
-        """``y = x * w``; forward sleeps ``fixed_ms + per_example_ms * n`` on the device it runs on,
-        the backward twice that. Only scalars pass through the host: the big tensors stay
-        TensorFlow's, so the allocator sees them."""
+        """``y = x * w``; forward sleeps ``fixed_ms + per_example_ms * n`` on the device it runs
+        on, the backward twice that, in two host calls (as benchmarks/schedules/
+        split_serial_work.py): one feeding only the input gradient, one only the weight
+        gradient, so a split schedule's B pays the first and its W the second, and a full
+        backward both. Only scalars pass through the host: the big tensors stay TensorFlow's,
+        so the allocator sees them."""
 
         def __init__(self, fixed_ms: float, per_example_ms: float, **kwargs):
             super().__init__(**kwargs)
@@ -73,28 +82,33 @@ def _work_layer():
             name = probe.device.rsplit(":", 1)
             device = int(name[1]) if len(name) == 2 and name[1].isdigit() else 0
             fixed, per = self.fixed_ms, self.per_example_ms
+            forward_kind = "R" if is_recomputing() else "F"
 
-            def host(scale):
+            def host(kind):
                 def work(n, *_):
-                    sd._hold(device, scale * (fixed + per * int(n)))
+                    sd._hold(device, fixed + per * int(n), kind)
                     return np.float32(0.0)
 
                 return work
 
+            def hold(kind, *probe):
+                # A data input (one element of each): constant inputs would let Grappler fold the call away.
+                t = tf.numpy_function(host(kind), list(probe), Tout=tf.float32, stateful=False)
+                t.set_shape(())
+                return t
+
             @tf.custom_gradient
             def run(x, w):
-                # A data input (one element of x): constant inputs would let Grappler fold the call away.
                 n, one = tf.shape(x)[0], tf.reshape(x, [-1])[:1]
-                t = tf.numpy_function(host(1.0), [n, one], Tout=tf.float32, stateful=False)
-                t.set_shape(())
-                y = x * (w + t)
+                y = x * (w + hold(forward_kind, n, one))
 
                 def grad(dy):
-                    # Reads the forward's output, as SerialWork does: a replayed forward is not pruned.
-                    probe = [n, tf.reshape(y, [-1])[:1], tf.reshape(dy, [-1])[:1]]
-                    tb = tf.numpy_function(host(2.0), probe, Tout=tf.float32, stateful=False)
-                    tb.set_shape(())
-                    return dy * (w + tb), tf.reduce_sum(dy * x)
+                    # Each half reads the forward's output, as SplitSerialWork: a replayed forward
+                    # is not pruned from either.
+                    probe = (n, tf.reshape(y, [-1])[:1], tf.reshape(dy, [-1])[:1])
+                    dx = dy * (w + hold("B", *probe))
+                    dw = tf.reduce_sum(dy * x) + hold("W", *probe)
+                    return dx, dw
 
                 return y, grad
 
@@ -167,6 +181,7 @@ def child() -> None:
     p = tf_gpipe.plan(
         layers, None, devices, FLAGS.budget_mib * MiB, FLAGS.batch,
         optimizer=FLAGS.optimizer, max_micro_batches=FLAGS.max_micro_batches, repeats=FLAGS.repeats,
+        schedules=FLAGS.schedules or None,
     )  # fmt: skip
     plan_s = time.perf_counter() - t0
     chosen = [p.chosen]
@@ -175,6 +190,10 @@ def child() -> None:
             other = next((c for c in p.candidates if c.fits and c.remat == mode), None)
             if other is not None and other.remat != p.chosen.remat:
                 chosen.append(other)
+    for name in FLAGS.also_schedules:
+        other = next((c for c in p.candidates if c.fits and c.schedule == name), None)
+        if other is not None and other not in chosen:
+            chosen.append(other)
     shape = tuple(layers[0].shape[1:])
     rng = np.random.default_rng(0)
     with tf.device("CPU:0"):
@@ -228,7 +247,7 @@ def parent() -> None:
     env = harness.child_env()
     passthrough = harness.flag_args(
         ("devices", "batch", "budget_mib", "work_ms_per_example", "work_fixed_ms", "max_micro_batches")
-        + ("also_remat", "steps", "optimizer", "repeats")
+        + ("also_remat", "schedules", "also_schedules", "steps", "optimizer", "repeats")
     )
     results = []
     for name in FLAGS.models:

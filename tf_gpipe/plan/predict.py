@@ -2,21 +2,32 @@
 
 Time: each stage's forward and backward are the sums of its layers' (a re-materialized
 stage's backward adds its forward again), and the schedule's simulation
-(``Schedule.simulate``) gives the step time and bubble. Memory per device: weights,
-optimizer slots and gradient sums, plus activations walked through the device's own
-order of actions: a forward leaves its stash (the stage input with re-materialization,
-every tensor the backward keeps without), a backward frees it. While a backward runs,
-the micro-batch's own activations (re-computed, with remat) are live up to the layer
-whose backward runs, beside that layer's measured peak (its gradients and buffers:
-``LayerProfile.backward_peak``) and every other stash still held. After the last
-backward the optimizer update runs: its temporaries (:class:`UpdateCost`, measured per
-optimizer) beside the weights, slots and gradients, when the activations are gone; a
-device's peak is the larger of the two phases. Ignored: the loss, the traced graph,
-allocator fragmentation, and the copies between devices.
+(``Schedule.simulate``) gives the step time and bubble. A split schedule's (zb-h1) B and W
+are priced as the executor runs them: B differentiates w.r.t. the stage input only, W
+w.r.t. the weights only, each from the forward's tape or its own replay; so W computes
+again the gradients of the activations above the stage's lowest layer with weights (it
+needs them, and B did not keep them), and each replays the forward when re-materialized
+(:func:`_backward_halves`).
+
+Memory per device: weights, optimizer slots and gradient sums, plus activations walked
+through the device's own order of actions: a forward leaves its stash (the stage input
+with re-materialization, every tensor the backward keeps without), a backward frees it.
+While a backward runs, the micro-batch's own activations (re-computed, with remat) are
+live up to the layer whose backward runs, beside that layer's measured peak (its
+gradients and buffers: ``LayerProfile.backward_peak``) and every other stash still held.
+Split: W frees the stash, and the output gradient its B kept; a B on a tape frees nothing
+as it goes (W reads every kept tensor). After the last backward the optimizer update
+runs: its temporaries (:class:`UpdateCost`, measured per optimizer) beside the weights,
+slots and gradients, when the activations are gone; a device's peak is the larger of the
+two phases. Static bytes include, with gradient sums, the constants the step function
+holds to zero them (one per distinct weight shape and stage). Ignored: the loss, the
+traced graph, allocator fragmentation, the copies between devices, and what a persistent
+tape (a split schedule without remat) costs (benchmarks/plan/README.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,13 +44,20 @@ class StageCost:
 
     forward_s: float
     backward_s: float  # the full backward, without re-computation
+    input_grad_s: float  # a split schedule's B (the input gradient), without re-computation
+    weight_grad_s: float  # its W (the weight gradient), without re-computation
     input_bytes: float  # the stage input of one micro-batch: its stash with remat
     activation_bytes: float  # everything the backward keeps, the input included
     forward_bytes: float  # the most a forward without a tape adds beside its input
     taped_forward_bytes: float  # the most a taped forward adds beside its input (its stash included)
     backward_bytes: float  # the most a backward holds: its input, activations, gradients, buffers
+    taped_input_grad_bytes: float  # the most a split B on a tape holds: it frees nothing (W reads it all)
+    output_bytes: float  # the stage output of one micro-batch: its gradient, kept from B until W
     trainable_bytes: int
     non_trainable_bytes: int
+    # One buffer per distinct weight shape: the zeros that reset the gradient sums each step
+    # (M > 1), which Grappler folds into constants the step function holds as long as it lives.
+    sum_zeros_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,29 +86,71 @@ class UpdateCost:
         return trainable_bytes * (self.from_sums if num_micro_batches > 1 else self.from_fresh)
 
 
-def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile) -> StageCost:
+def _halves(p: LayerProfile, n: int) -> tuple[float, float]:
+    """A layer's backward w.r.t. its input only and w.r.t. its weights only (half each if unknown)."""
+    if p.input_grad_s is None or p.weight_grad_s is None:
+        return p.backward_s.at(n) / 2, p.backward_s.at(n) / 2
+    return p.input_grad_s.at(n), p.weight_grad_s.at(n)
+
+
+def _backward_halves(profiles: Sequence[LayerProfile], n: int, first: bool) -> tuple[float, float, float]:
+    """``(full, input, weight)`` backward seconds of a stage's layers (no call overhead).
+
+    ``input`` (B) is every layer's input half: the chain down to the stage input.
+    ``weight`` (W): the weight gradient of a layer needs the gradient of its output, so
+    from the top down to the lowest layer with weights W runs each layer's whole backward
+    and that layer's weight half; below it, nothing. The first stage computes no input
+    gradient: its full backward is its W (and its split B does nothing)."""
+    full = [p.backward_s.at(n) for p in profiles]
+    halves = [_halves(p, n) for p in profiles]
+    lowest = next((i for i, p in enumerate(profiles) if p.trainable_bytes > 0), None)
+    weight = 0.0 if lowest is None else halves[lowest][1] + sum(full[lowest + 1 :])
+    if first and lowest == 0:  # the model's first layer: its backward has no input gradient
+        weight = sum(full)
+    if first:
+        return weight, 0.0, weight
+    return sum(full), sum(h[0] for h in halves), weight
+
+
+def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: bool = False) -> StageCost:
     """Walk the stage's layers in order. While layer ``i`` runs, the layers before it hold what
-    their backward keeps (with a tape, or during a replay) and layer ``i`` its measured peak."""
+    their backward keeps (with a tape, or during a replay) and layer ``i`` its measured peak.
+    ``first``: the model's first stage (no input gradient)."""
     kept_before, forward, taped, backward = 0.0, 0.0, 0.0, 0.0
+    own = []  # (what each layer keeps for the backward, its backward's peak)
     for i, p in enumerate(profiles):
         peak_f, peak_b = p.forward_peak.at(n), p.backward_peak.at(n)
         forward = max(forward, peak_f + (p.input_bytes.at(n) if i > 0 else 0.0))
         taped = max(taped, kept_before + peak_f)
         backward = max(backward, kept_before + peak_b)
-        kept_before += p.saved_bytes.at(n)
+        keeps = p.saved_bytes.at(n)
         if p.saves_output or (i + 1 < len(profiles) and profiles[i + 1].uses_input):
-            kept_before += p.output_bytes.at(n)
-    first = profiles[0].input_bytes.at(n)
+            keeps += p.output_bytes.at(n)
+        kept_before += keeps
+        own.append((keeps, peak_b))
+    # A split B on a tape leaves every kept tensor to its W: while layer i's input gradient
+    # runs, the layers above it still hold theirs (a full backward has freed them by then).
+    taped_input_grad = max(kept_before - keeps + peak_b for keeps, peak_b in own)
+    full, input_grad, weight_grad = _backward_halves(profiles, n, first)
+    call_b = call.backward_call_s.at(n)
+    first_bytes = profiles[0].input_bytes.at(n)
     return StageCost(
         forward_s=sum((p.forward_s for p in profiles), call.forward_call_s).at(n),
-        backward_s=sum((p.backward_s for p in profiles), call.backward_call_s).at(n),
-        input_bytes=first,
-        activation_bytes=first + kept_before,
+        backward_s=full + call_b,
+        input_grad_s=0.0 if first else input_grad + call_b,  # the first stage's B is no call
+        weight_grad_s=weight_grad + call_b,
+        input_bytes=first_bytes,
+        activation_bytes=first_bytes + kept_before,
         forward_bytes=forward,
         taped_forward_bytes=taped,
-        backward_bytes=first + backward,
+        backward_bytes=first_bytes + backward,
+        taped_input_grad_bytes=first_bytes + taped_input_grad,
+        output_bytes=profiles[-1].output_bytes.at(n),
         trainable_bytes=sum(p.trainable_bytes for p in profiles),
         non_trainable_bytes=sum(p.non_trainable_bytes for p in profiles),
+        sum_zeros_bytes=float(
+            sum(math.prod(shape) * size for shape, size in {w for p in profiles for w in p.weight_shapes})
+        ),
     )
 
 
@@ -98,25 +158,37 @@ def stage_costs(profile: ModelProfile, balance: Sequence[int], n: int) -> list[S
     """Each stage's costs for micro-batches of ``n`` examples; ``balance``: layers per stage.
 
     A stage's time is its layers' plus one function call's overhead per action."""
-    return [_stage(group, n, profile) for group in split_by_balance(list(profile.layers), None, balance)]
+    groups = split_by_balance(list(profile.layers), None, balance)
+    return [_stage(group, n, profile, first=s == 0) for s, group in enumerate(groups)]
 
 
 def step_time(
     schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool]
 ) -> tuple[float, float, Timeline]:
-    """``(seconds, bubble, timeline)`` of one step: a re-materialized backward replays the forward."""
+    """``(seconds, bubble, timeline)`` of one step: a re-materialized backward replays the forward,
+    a split one in B (but on the first stage, whose B does nothing) and again in W."""
     fwd = [s.forward_s for s in stages]
-    bwd = [s.backward_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
-    timeline = schedule.simulate(fwd, bwd)
+    if schedule.split_backward:
+        wgt = [s.weight_grad_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
+        inp = [
+            s.input_grad_s + (s.forward_s if r and i > 0 else 0.0)
+            for i, (s, r) in enumerate(zip(stages, remat))
+        ]
+        timeline = schedule.simulate(fwd, [b + w for b, w in zip(inp, wgt)], weight_cost=wgt)
+    else:
+        bwd = [s.backward_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
+        timeline = schedule.simulate(fwd, bwd)
     busy = sum(timeline.busy(d) for d in range(schedule.num_devices))
     total = schedule.num_devices * timeline.makespan
     return timeline.makespan, (total - busy) / total if total > 0 else 0.0, timeline
 
 
-def static_bytes(stage: StageCost, optimizer_slots: int) -> float:
+def static_bytes(stage: StageCost, optimizer_slots: int, num_micro_batches: int) -> float:
     """Weights, their optimizer slots and their gradient sums (fit keeps a sum per trainable
-    weight when M > 1; with M = 1 the gradients, as many bytes, live until the update)."""
-    return stage.trainable_bytes * (2 + optimizer_slots) + stage.non_trainable_bytes
+    weight when M > 1; with M = 1 the gradients, as many bytes, live until the update), and
+    with sums the constants that zero them (``StageCost.sum_zeros_bytes``)."""
+    zeros = stage.sum_zeros_bytes if num_micro_batches > 1 else 0.0
+    return stage.trainable_bytes * (2 + optimizer_slots) + stage.non_trainable_bytes + zeros
 
 
 def _events(
@@ -124,7 +196,8 @@ def _events(
 ) -> dict[int, list[tuple[Action, float, float, float]]]:
     """Per device, for each action in its order: (action, bytes held while it runs, the most it
     adds for a moment (its layers' peaks: outputs, gradients, buffers), bytes held after it)."""
-    release = "W" if schedule.split_backward else "B"
+    split = schedule.split_backward
+    release = "W" if split else "B"
     out: dict[int, list[tuple[Action, float, float, float]]] = {}
     for d, actions in enumerate(schedule.orders):
         live = _initial(schedule, stages, d)
@@ -144,7 +217,15 @@ def _events(
                 # Its own stash is part of what the backward holds (re-built, with remat).
                 own = stash + (s.input_bytes if a.stage == 0 else 0.0)
                 held = live - own + s.activation_bytes
-                spike = max(s.backward_bytes - s.activation_bytes, 0.0)
+                peak = s.backward_bytes
+                if split and a.kind == "B":
+                    if a.stage == 0:  # nothing to compute: no replay, no gradients
+                        held, peak = live, s.activation_bytes
+                    elif not remat[a.stage]:
+                        peak = s.taped_input_grad_bytes
+                spike = max(peak - s.activation_bytes, 0.0)
+                if split:  # the gradient a B received is kept for its W
+                    live += s.output_bytes if a.kind == "B" else -s.output_bytes
                 if a.kind == release:
                     live -= own
             rows.append((a, held, spike, live))
@@ -175,7 +256,7 @@ def device_memory(
     :meth:`UpdateCost.estimate`)."""
     static = [0.0] * schedule.num_devices
     for i, s in enumerate(stages):
-        static[schedule.device_of(i)] += static_bytes(s, optimizer_slots)
+        static[schedule.device_of(i)] += static_bytes(s, optimizer_slots, schedule.num_micro_batches)
     events = _events(schedule, stages, remat)
     updates = _update(schedule, stages, update, optimizer_slots)
     return [
@@ -205,7 +286,7 @@ def process_peak(
     """
     if timeline is None:
         timeline = step_time(schedule, stages, remat)[2]
-    static = sum(static_bytes(s, optimizer_slots) for s in stages)
+    static = sum(static_bytes(s, optimizer_slots, schedule.num_micro_batches) for s in stages)
     # (time, ends first, device, bytes held from then on, momentary peak from then on)
     changes: list[tuple[float, int, int, float, float]] = []
     for d, rows in _events(schedule, stages, remat).items():

@@ -4,7 +4,9 @@ Every quantity is measured at two batch sizes and kept as an :class:`Affine` cos
 ``fixed + per_example * n``, so that the planner can price any micro-batch size:
 a GPU step has a fixed launch cost that a purely proportional model would miss.
 Times come from ``tf_gpipe.balance.profile._median_times``, of a forward-only step
-and a forward+backward step, so the backward is their difference. The bytes a
+and a forward+backward step, so the backward is their difference; a layer with weights
+is also timed with a backward w.r.t. its input only and w.r.t. its weights only, the
+halves a split schedule (zb-h1) runs as B and W. The bytes a
 backward keeps are read from the traced gradient graph: the forward tensors its
 gradient ops consume (what a tape, or ``remat="never"``, holds). The bytes a layer
 needs while it runs are measured: the allocator's peak over each of the two steps,
@@ -71,6 +73,13 @@ class LayerProfile:
     ``backward_peak``: the most bytes beyond its input the layer holds while its
     forward alone runs, and while its forward and backward run (its kept tensors,
     output, gradients and every buffer its ops take).
+
+    ``input_grad_s`` and ``weight_grad_s``: its backward w.r.t. its input only, and
+    w.r.t. its weights only (a split schedule's B and W; ``backward_s`` holds both).
+    For a layer without weights the first is its backward and the second zero; the
+    model's first layer gets no input gradient, so its first is zero and its second
+    its backward. None where not measured (a hand-made profile): half the backward each.
+    ``weight_shapes``: (shape, bytes per element) of each trainable weight.
     """
 
     name: str
@@ -85,6 +94,9 @@ class LayerProfile:
     saves_output: bool
     forward_peak: Affine = ZERO
     backward_peak: Affine = ZERO
+    input_grad_s: Affine | None = None
+    weight_grad_s: Affine | None = None
+    weight_shapes: tuple[tuple[tuple[int, ...], int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,10 +151,14 @@ def _source(t: tf.Tensor) -> tf.Tensor:
     return t
 
 
-def _taped_step(layer: keras.layers.Layer, mask: Any, input_grads: bool = True) -> tuple[Any, dict]:
+def _taped_step(
+    layer: keras.layers.Layer, mask: Any, input_grads: bool = True, weight_grads: bool = True
+) -> tuple[Any, dict]:
     """The layer's forward and backward as one function (timed, and measured with the allocator),
     and marks that let :func:`_kept` read its traced graph: where the forward ends, its outputs.
-    The first layer gets no input gradient, as in the pipeline (the data need none)."""
+    The first layer gets no input gradient, as in the pipeline (the data need none);
+    ``weight_grads=False`` (or ``input_grads=False``) differentiates w.r.t. the input (the
+    weights) only: a split schedule's B (W)."""
     kwargs, marks = _layer_kwargs(layer, mask, True), {}
 
     @tf.function(autograph=False)
@@ -156,7 +172,7 @@ def _taped_step(layer: keras.layers.Layer, mask: Any, input_grads: bool = True) 
             loss = tf.add_n([tf.reduce_sum(t) for t in flat] or [tf.constant(0.0)])
         marks["forward_ops"] = len(tf.compat.v1.get_default_graph().get_operations())
         marks["outputs"] = flat
-        grads = tape.gradient(loss, watched + list(layer.trainable_variables))
+        grads = tape.gradient(loss, watched + (list(layer.trainable_variables) if weight_grads else []))
         # One scalar that needs every gradient: nothing is pruned, and reading it waits for the device.
         return tf.add_n([loss] + [tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None])
 
@@ -258,6 +274,14 @@ def _at_batch(sample: Any, n: int) -> Any:
     return tf.nest.map_structure(one, sample)
 
 
+def _backward_time(
+    t1: list[float], t2: list[float], n1: int, n2: int, step: int, forward: int, call1: float, call2: float
+) -> Affine:
+    """The backward in the taped step at ``step``: its time less its forward's and one call's."""
+    b1, b2 = max(t1[step] - t1[forward] - call1, 0.0), max(t2[step] - t2[forward] - call2, 0.0)
+    return Affine.fit(n1, b1, n2, b2)
+
+
 def profile_layers(
     layers: Any,
     sample: Any,
@@ -299,25 +323,40 @@ def profile_layers(
         with tf.device(device):  # the inputs live where the steps run: the peaks exclude them
             inputs = [tf.nest.map_structure(_copy, x) for x, _, _ in records]
         timed = [(nothing, inputs[0], records[0])] + list(zip(layer_list, inputs, records))
+        halves: list[Callable[[], tf.Tensor]] = []  # per layer with weights: input only, weights only
         for j, (layer, x, (_, mask, _)) in enumerate(timed):
             step, marks = _taped_step(layer, mask, input_grads=j != 1)
             steps.append(partial(_forward_step(layer, mask), x))
             steps.append(partial(step, x))
             taped.append((step, marks, x))
+            if j > 1 and layer.trainable_weights:
+                for grads in ({"weight_grads": False}, {"input_grads": False}):
+                    halves.append(partial(_taped_step(layer, mask, **grads)[0], x))
         with tf.device(device), _sandbox(layer_list):
-            times = _median_times(steps, warmup, repeats)
+            times = _median_times(steps + halves, warmup, repeats)
             peaks = _peaks(steps, allocator) if allocator else None
         kept = [_kept(step.get_concrete_function(x).graph, marks) for step, marks, x in taped[1:]]
         per_size.append((n, records, times, kept, peaks))
     (n1, rec1, t1, k1, p1), (n2, rec2, t2, k2, p2) = per_size[0], per_size[-1]
     out = []
-    # Entries 0, 1: the empty function's forward and forward+backward; layer i at 2i+2, 2i+3.
+    # Entries 0, 1: the empty function's forward and forward+backward; layer i at 2i+2, 2i+3;
+    # after them the two halves of each layer with weights but the first, in order.
     call_f1, call_f2 = t1[0], t2[0]
     call_b1, call_b2 = max(t1[1] - t1[0], 0.0), max(t2[1] - t2[0], 0.0)
+    half = 2 * len(layer_list) + 2
     for i, layer in enumerate(layer_list):
         fwd1, fwd2 = max(t1[2 * i + 2] - call_f1, 0.0), max(t2[2 * i + 2] - call_f2, 0.0)
-        bwd1 = max(t1[2 * i + 3] - t1[2 * i + 2] - call_b1, 0.0)
-        bwd2 = max(t2[2 * i + 3] - t2[2 * i + 2] - call_b2, 0.0)
+
+        backward_s = _backward_time(t1, t2, n1, n2, 2 * i + 3, 2 * i + 2, call_b1, call_b2)
+        if i == 0:  # no input gradient: its backward is all weight gradient
+            input_grad_s, weight_grad_s = ZERO, backward_s
+        elif not layer.trainable_weights:
+            input_grad_s, weight_grad_s = backward_s, ZERO
+        else:
+            input_grad_s, weight_grad_s = (
+                _backward_time(t1, t2, n1, n2, k, 2 * i + 2, call_b1, call_b2) for k in (half, half + 1)
+            )
+            half += 2
         sizes_of = [(n, rec[i], k[i], p and (p[2 * i + 2], p[2 * i + 3])) for n, rec, k, p in
                     ((n1, rec1, k1, p1), (n2, rec2, k2, p2))]  # fmt: skip
         peaks_at = [pk or _estimated_peaks(layer, r, kk, i > 0) for _, r, kk, pk in sizes_of]
@@ -327,7 +366,7 @@ def profile_layers(
                 trainable_bytes=_nbytes(layer.trainable_weights),
                 non_trainable_bytes=_nbytes(layer.non_trainable_weights),
                 forward_s=Affine.fit(n1, fwd1, n2, fwd2),
-                backward_s=Affine.fit(n1, bwd1, n2, bwd2),
+                backward_s=backward_s,
                 input_bytes=Affine.fit(n1, _nbytes(rec1[i][0]), n2, _nbytes(rec2[i][0])),
                 output_bytes=Affine.fit(n1, _nbytes(rec1[i][2]), n2, _nbytes(rec2[i][2])),
                 saved_bytes=Affine.fit(n1, k1[i][0], n2, k2[i][0]),
@@ -335,6 +374,12 @@ def profile_layers(
                 saves_output=k1[i][2] or k2[i][2],
                 forward_peak=Affine.fit(n1, peaks_at[0][0], n2, peaks_at[-1][0]),
                 backward_peak=Affine.fit(n1, peaks_at[0][1], n2, peaks_at[-1][1]),
+                input_grad_s=input_grad_s,
+                weight_grad_s=weight_grad_s,
+                weight_shapes=tuple(
+                    (tuple(int(d) for d in w.shape), tf.as_dtype(w.dtype).size)
+                    for w in layer.trainable_weights
+                ),
             )
         )
     return ModelProfile(out, Affine.fit(n1, call_f1, n2, call_f2), Affine.fit(n1, call_b1, n2, call_b2))

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tf_gpipe import schedules
 from tf_gpipe.plan.predict import UpdateCost, static_bytes
 from tf_gpipe.plan.profile import ModelProfile
 from tf_gpipe.plan.search import Candidate, remat_flags
@@ -154,9 +155,11 @@ class Plan:
                 why += f"{_mib(r.max_peak)} MiB)"
         lines += [why + ".", "", "Stages of the chosen plan:"]
         flags = remat_flags(c.remat, len(c.balance))
+        split = schedules.get(c.schedule, c.num_stages, c.num_micro_batches, c.virtual_stages).split_backward
         rows = [
-            ["stage", "device", "layers", "fwd ms", "bwd ms", "stash MiB/mb", "weights+state MiB", "peak MiB"]
-        ]
+            ["stage", "device", "layers", "fwd ms", "B+W ms" if split else "bwd ms", "stash MiB/mb",
+             "weights+state MiB", "peak MiB"]
+        ]  # fmt: skip
         start = 0
         for s, (size, st) in enumerate(zip(c.balance, c.stages)):
             d = s % c.num_stages
@@ -165,10 +168,14 @@ class Plan:
             shown = names[0] if size == 1 else f"{names[0]}..{names[-1]} ({size})"
             stash = st.input_bytes if flags[s] else st.activation_bytes
             device = self.devices[d] if self.devices else str(d)
-            bwd = st.backward_s + (st.forward_s if flags[s] else 0.0)
+            replay = st.forward_s if flags[s] else 0.0
+            bwd = f"{(st.backward_s + replay) * 1e3:.3f}"
+            if split:  # B + W, each replaying the forward when re-materialized (not B on stage 0)
+                b = st.input_grad_s + (replay if s > 0 else 0.0)
+                bwd = f"{b * 1e3:.3f}+{(st.weight_grad_s + replay) * 1e3:.3f}"
             rows.append(
-                [str(s), device, shown, f"{st.forward_s * 1e3:.3f}", f"{bwd * 1e3:.3f}", _mib(stash),
-                 _mib(static_bytes(st, self.optimizer_slots)), _mib(c.peak_bytes[d])]
+                [str(s), device, shown, f"{st.forward_s * 1e3:.3f}", bwd, _mib(stash),
+                 _mib(static_bytes(st, self.optimizer_slots, c.num_micro_batches)), _mib(c.peak_bytes[d])]
             )  # fmt: skip
         lines += _table(rows)
         lines += ["", f"Candidates ({len(self.candidates)} weighed, fastest first; * chosen):"]
@@ -202,7 +209,7 @@ def nothing_fits(
     least = min(candidates, key=lambda x: x.max_peak)
     heaviest = max(range(len(least.peak_bytes)), key=lambda d: least.peak_bytes[d])
     static = sum(
-        static_bytes(st, optimizer_slots)
+        static_bytes(st, optimizer_slots, least.num_micro_batches)
         for s, st in enumerate(least.stages)
         if s % least.num_stages == heaviest
     )
