@@ -1,7 +1,8 @@
 """Smoke test of examples/train_classifier.py: a short run in a fresh process.
 
 The script configures its own logical CPUs, so it runs in a subprocess (this
-pytest process already has TensorFlow initialized by conftest.py).
+pytest process already has TensorFlow initialized by conftest.py). The three runs
+start together: much of each is single-threaded Python (starting TensorFlow, tracing).
 """
 
 import json
@@ -11,24 +12,59 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tf_gpipe.devices import default_devices  # where the script's stages go by default
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_classifier.py"
 
 
-def _run(args, timeout=180):
+def _start(args):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, str(SCRIPT), *args],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
+
+
+def _finish(proc, timeout=180):
+    """``(returncode, stdout, stderr)`` of a started run."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three runs, started together: ``(model_dir of the short run, {name: process})``."""
+    model_dir = tmp_path_factory.mktemp("classifier")
+    # The default pipeline (4 virtual CPUs, K=4, M=8, remat="always") on a small data set.
+    short = ["--epochs=3", "--num_examples=800", "--batch_size=32", "--learning_rate=0.01", "--seed=0"]
+    short += ["--verbose=2", f"--model_dir={model_dir}"]
+    # --plan_memory_budget: one epoch on a small data set (only the wiring is checked).
+    planned = [
+        "--epochs=1",
+        "--num_examples=300",
+        "--batch_size=32",
+        "--verbose=0",
+        "--plan_memory_budget=64MiB",
+    ]
+    procs = {"short": _start(short), "bad_flags": _start(["--remat=sometimes"]), "plan": _start(planned)}
+    yield model_dir, procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _summary(stdout):
@@ -37,22 +73,11 @@ def _summary(stdout):
     return json.loads(lines[-1][len("SUMMARY ") :])
 
 
-def test_train_classifier_short_run_learns_and_exports(tmp_path):
-    # The default pipeline (4 virtual CPUs, K=4, M=8, remat="always") on a small data set.
-    proc = _run(
-        [
-            "--epochs=3",
-            "--num_examples=800",
-            "--batch_size=32",
-            "--learning_rate=0.01",
-            "--seed=0",
-            "--verbose=2",
-            f"--model_dir={tmp_path}",
-        ]
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-5000:]
-    summary = _summary(proc.stdout)
+def test_train_classifier_short_run_learns_and_exports(runs):
+    model_dir, procs = runs
+    returncode, stdout, stderr = _finish(procs["short"])
+    assert returncode == 0, (stdout + stderr)[-5000:]
+    summary = _summary(stdout)
 
     # It learns: the held-out loss and the training loss both fall.
     assert summary["final_loss"] < summary["initial_loss"], summary
@@ -63,26 +88,23 @@ def test_train_classifier_short_run_learns_and_exports(tmp_path):
     assert summary["devices"] == default_devices(4), summary
     assert summary["balance"] == [3, 3, 2, 2], summary
     assert summary["export_max_abs_diff"] < 1e-4, summary
-    assert (tmp_path / "model.keras").is_file()
-    assert (tmp_path / "sequential.keras").is_file()
+    assert (model_dir / "model.keras").is_file()
+    assert (model_dir / "sequential.keras").is_file()
 
 
-def test_train_classifier_rejects_bad_flags():
+def test_train_classifier_rejects_bad_flags(runs):
     # absl validates the enum flag before any TensorFlow work happens.
-    proc = _run(["--remat=sometimes"], timeout=120)
-    assert proc.returncode != 0
-    assert "remat" in proc.stderr
+    returncode, _, stderr = _finish(runs[1]["bad_flags"], timeout=120)
+    assert returncode != 0
+    assert "remat" in stderr
 
 
-def test_train_classifier_builds_from_a_plan():
+def test_train_classifier_builds_from_a_plan(runs):
     # --plan_memory_budget: the planner picks the pipeline and prints its report; the summary
-    # shows the plan's balance (one epoch on a small data set: only the wiring is checked here).
-    proc = _run(
-        ["--epochs=1", "--num_examples=300", "--batch_size=32", "--verbose=0", "--plan_memory_budget=64MiB"]
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-5000:]
-    assert "Plan: K=" in proc.stdout and "Candidates (" in proc.stdout, output[-5000:]
-    summary = _summary(proc.stdout)
-    planned = re.search(r"Plan: K=(\d+) .*balance=(\[[0-9, ]+\])", proc.stdout)
-    assert planned and summary["balance"] == json.loads(planned.group(2)), proc.stdout[-3000:]
+    # shows the plan's balance.
+    returncode, stdout, stderr = _finish(runs[1]["plan"])
+    assert returncode == 0, (stdout + stderr)[-5000:]
+    assert "Plan: K=" in stdout and "Candidates (" in stdout, (stdout + stderr)[-5000:]
+    summary = _summary(stdout)
+    planned = re.search(r"Plan: K=(\d+) .*balance=(\[[0-9, ]+\])", stdout)
+    assert planned and summary["balance"] == json.loads(planned.group(2)), stdout[-3000:]

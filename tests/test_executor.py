@@ -105,7 +105,9 @@ def test_per_micro_batch_schedules_refuse_a_loss_they_cannot_split(schedule):
 def test_dropout_and_batchnorm_replayed_under_1f1b_and_zb_h1():
     """The replay of each half of zb-h1's split backward reads the state the forward read
     (dropout seeds, BatchNormalization statistics): re-materialized training equals
-    training on a tape, and both equal 1F1B's, whose forwards run in the same order."""
+    training on a tape, and both equal 1F1B's, whose forwards run in the same order.
+    Dropout and BatchNormalization sit in the second stage: zb-h1 replays them in its B
+    (input gradients) and in its W (weight gradients); the first stage's B computes nothing."""
 
     def make():
         keras.utils.set_random_seed(21)
@@ -123,7 +125,7 @@ def test_dropout_and_batchnorm_replayed_under_1f1b_and_zb_h1():
         for remat in ("never", "always"):
             keras.backend.clear_session()
             pm = tf_gpipe.PipelineModel(
-                make(), num_stages=4, num_micro_batches=4, remat=remat, schedule=schedule
+                make(), balance=[1, 4], num_micro_batches=4, remat=remat, schedule=schedule
             )
             _compile(pm)
             pm.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)

@@ -24,13 +24,14 @@ MiB = 2.0**20
 
 # Peak bytes TensorFlow's CPU allocator holds during one steady-state training step (the
 # second; the first traces), above what it held before the step. All logical CPUs share
-# that allocator, so it is the total over every stage. Run in a fresh process per call:
-# the logical CPUs must be configured before TensorFlow starts.
+# that allocator, so it is the total over every stage. The logical CPUs must be configured
+# before TensorFlow starts, so the probes run in a fresh process: one for all of them
+# (starting TensorFlow is most of a small probe's cost).
 _PROBE = """
 import json, sys
 import tf_gpipe
-cfg = json.loads(sys.argv[1])
-tf_gpipe.configure_virtual_cpus(cfg["K"])
+probes = json.loads(sys.argv[1])
+tf_gpipe.configure_virtual_cpus(max(cfg["K"] for cfg in probes.values()))
 import keras, numpy as np, tensorflow as tf
 
 def layers(width, narrow, K, deep):
@@ -43,37 +44,59 @@ def layers(width, narrow, K, deep):
         out += [keras.layers.Dense(narrow, activation="relu"), keras.layers.Dense(width, activation="relu")]
     return out + [keras.layers.Dense(10)], [2] * (K - 1) + [3]
 
-peaks = []
-for run in cfg["runs"]:
-    keras.backend.clear_session()
-    keras.utils.set_random_seed(0)
-    made, balance = layers(cfg["width"], cfg.get("narrow"), cfg["K"], cfg.get("deep"))
-    if run.get("plain"):  # the same layers in keras.Sequential, for reference
-        pm = keras.Sequential(made)
-    else:
-        pm = tf_gpipe.PipelineModel(made, num_stages=cfg["K"], balance=balance, **run)
-    pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    n = cfg["rows"] * run.get("num_micro_batches", 1)
-    rng = np.random.RandomState(0)
-    x = tf.constant(rng.rand(n, made[0].shape[-1]).astype("float32"))
-    y = tf.constant(rng.randint(0, 10, n))
-    pm.train_on_batch(x, y)
-    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    pm.train_on_batch(x, y)
-    peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - base)
+peaks = {}
+for name, cfg in probes.items():
+    peaks[name] = []
+    for run in cfg["runs"]:
+        keras.backend.clear_session()
+        keras.utils.set_random_seed(0)
+        made, balance = layers(cfg["width"], cfg.get("narrow"), cfg["K"], cfg.get("deep"))
+        if run.get("plain"):  # the same layers in keras.Sequential, for reference
+            pm = keras.Sequential(made)
+        else:
+            pm = tf_gpipe.PipelineModel(made, num_stages=cfg["K"], balance=balance, **run)
+        pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        n = cfg["rows"] * run.get("num_micro_batches", 1)
+        rng = np.random.RandomState(0)
+        x = tf.constant(rng.rand(n, made[0].shape[-1]).astype("float32"))
+        y = tf.constant(rng.randint(0, 10, n))
+        pm.train_on_batch(x, y)
+        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        pm.train_on_batch(x, y)
+        peaks[name].append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - base)
 print("PEAKS " + json.dumps(peaks))
 """
 
+# Each probe: K stages (that many logical CPUs) on ``rows`` examples a micro-batch, and its
+# runs (PipelineModel kwargs, or plain=True for keras.Sequential of the same layers).
+_1F1B = dict(K=4, rows=64, width=4096, narrow=32)
+_REMAT = dict(K=2, rows=512, width=256, deep=8)
+# Weights as large as the activations (a stage's weight gradients then weigh as much as
+# its activations), so that holding either longer than plain Keras shows.
+_ONE_CALL = dict(K=1, rows=512, width=512, deep=8)
+_SUMS = dict(K=1, rows=320, width=512, deep=16)
+PROBES = {
+    "1f1b": dict(_1F1B, runs=[dict(num_micro_batches=M, schedule="1f1b", remat="always") for M in (4, 8)]),
+    "remat": dict(
+        _REMAT, runs=[dict(num_micro_batches=4, schedule="gpipe", remat=r) for r in ("always", "never")]
+    ),
+    "one_call": dict(_ONE_CALL, runs=[dict(plain=True), dict(num_micro_batches=1, remat="never")]),
+    "sums": dict(
+        _SUMS, runs=[dict(plain=True, num_micro_batches=4), dict(num_micro_batches=4, remat="never")]
+    ),
+}
 
-def _peaks(config):
-    """The probe's peak bytes, one per entry of config["runs"] (PipelineModel kwargs)."""
+
+@pytest.fixture(scope="module")
+def peaks():
+    """The probes' peak bytes: {name: [one per run]}."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # The BFC allocator keeps statistics on every CPU; TensorFlow's default CPU
     # allocator keeps none unless oneDNN is on, which depends on the host's CPU.
     env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(config)],
+        [sys.executable, "-c", _PROBE, json.dumps(PROBES)],
         env=env,
         capture_output=True,
         text=True,
@@ -83,14 +106,12 @@ def _peaks(config):
     return json.loads(out.stdout.split("PEAKS")[-1])
 
 
-def test_1f1b_peak_memory_is_flat_in_m_without_a_timeline():
+def test_1f1b_peak_memory_is_flat_in_m_without_a_timeline(peaks):
     """1F1B holds at most K - d stashes on device d, however many micro-batches there are.
     Only the executor's per-device control dependencies enforce that order when no timeline
     recorder runs (the recorder's markers would serialize each device on their own)."""
-    K, rows, width = 4, 64, 4096
-    stash = rows * width * 4  # one micro-batch's activation between two stages
-    runs = [dict(num_micro_batches=M, schedule="1f1b", remat="always") for M in (4, 8)]
-    at4, at8 = _peaks(dict(K=K, rows=rows, width=width, narrow=32, runs=runs))
+    stash = _1F1B["rows"] * _1F1B["width"] * 4  # one micro-batch's activation between two stages
+    at4, at8 = peaks["1f1b"]
     # Running every forward as early as dataflow allows would keep M stashes on each of the
     # K - 1 later devices: 12 more at M=8 than at M=4 (16 MiB more, measured, when broken).
     # The order the runtime picks among ready ops moves the M=4 peak by up to ~4.5 stashes
@@ -98,32 +119,28 @@ def test_1f1b_peak_memory_is_flat_in_m_without_a_timeline():
     assert at8 - at4 < 6 * stash, (at4 / MiB, at8 / MiB)
 
 
-def test_remat_always_lowers_peak_memory():
+def test_remat_always_lowers_peak_memory(peaks):
     """A re-materialized stage keeps only its inputs until its backward; its replay waits for
     the incoming gradient, so the activations of one micro-batch exist at a time."""
-    runs = [dict(num_micro_batches=4, schedule="gpipe", remat=r) for r in ("always", "never")]
-    always, never = _peaks(dict(K=2, rows=512, width=256, deep=8, runs=runs))
+    always, never = peaks["remat"]
     # Replays started as soon as their inputs exist hold every micro-batch's activations
     # again: as much as (here more than) never re-materializing.
     assert always < 0.6 * never, (always / MiB, never / MiB)
 
 
-def test_remat_never_peak_memory_is_plain_keras():
+def test_remat_never_peak_memory_is_plain_keras(peaks):
     """Without re-materialization a stage's backward is TensorFlow's gradient of its forward
     function. Run as one call, it holds every saved activation until it returns, with all
     the stage's weight gradients on top; inlined, each activation goes once its gradient
-    is made, as in plain Keras. The same for adding a micro-batch's gradients to the sums.
-    Weights as large as the activations make the difference show."""
-    runs = [dict(plain=True), dict(num_micro_batches=1, remat="never")]
-    plain, never = _peaks(dict(K=1, rows=1024, width=1024, deep=8, runs=runs))
-    # As one call: 72 MiB against plain Keras' 44 (measured).
+    is made, as in plain Keras. The same for adding a micro-batch's gradients to the sums."""
+    plain, never = peaks["one_call"]
+    # As one call: 18 MiB against plain Keras' 12 (measured; inlined, 11 against 11).
     assert never < 1.2 * plain, (plain / MiB, never / MiB)
     # M=4 micro-batches against plain Keras on the whole batch. fit's gradient sums are made
-    # at compile, before the probe's baseline: add them. Measured: 102 + 64 MiB against 152;
-    # with each micro-batch's gradients added in one call, 162 + 64.
-    runs = [dict(plain=True, num_micro_batches=4), dict(num_micro_batches=4, remat="never")]
-    plain, never = _peaks(dict(K=1, rows=512, width=1024, deep=16, runs=runs))
-    sums = 16 * (1024 * 1024 + 1024) * 4
+    # at compile, before the probe's baseline: add them. Measured: 32-34 + 16 MiB against
+    # 44-46 (1.05-1.12); with each micro-batch's gradients added in one call, 48 + 16 (1.3-1.47).
+    plain, never = peaks["sums"]
+    sums = _SUMS["deep"] * (_SUMS["width"] ** 2 + _SUMS["width"]) * 4
     assert never + sums < 1.2 * plain, (plain / MiB, never / MiB)
 
 

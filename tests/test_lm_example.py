@@ -1,4 +1,5 @@
-"""examples/train_transformer_lm.py: a short run, and a killed run that resumes exactly.
+"""examples/train_transformer_lm.py: a short run, a killed run that resumes exactly, and
+a run that follows tf_gpipe.plan.
 
 The script configures its own logical CPUs, so it runs in subprocesses (this
 pytest process already has TensorFlow initialized by conftest.py). Run A trains
@@ -6,10 +7,13 @@ pytest process already has TensorFlow initialized by conftest.py). Run A trains
 (``--stop_after_steps``, between the checkpoints at steps 4 and 8), then started
 again with the same flags: it must resume from step 4 and reproduce A's losses
 for steps 5..12 exactly (same batches, same dropout masks, same Adam state).
+The runs that do not wait for each other run side by side: much of each is
+single-threaded Python (starting TensorFlow, tracing).
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,12 +45,18 @@ TINY = [
 ]
 
 
-def _start(args):
+# The planner's run: a smaller model, two steps (only the wiring is checked).
+PLANNED = ["--steps=2", "--checkpoint_every=2", "--num_layers=2", "--d_model=16", "--num_heads=2"]
+PLANNED += ["--mlp_dim=32", "--batch_size=8", "--seq_len=16", "--corpus_kb=20", "--sample_length=4"]
+PLANNED += ["--verbose=0", "--plan_memory_budget=64MiB"]
+
+
+def _start(args, flags=TINY):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *TINY, *args],
+        [sys.executable, str(SCRIPT), *flags, *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -91,14 +101,22 @@ def _event_tags(log_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run A (12 steps) and run B (killed after step 6) side by side, then B again."""
+    """Run A (12 steps), run B (killed after step 6) and the planned run side by side,
+    then B again."""
     dir_a, dir_b = tmp_path_factory.mktemp("run_a"), tmp_path_factory.mktemp("run_b")
     proc_a = _start([f"--model_dir={dir_a}"])
     proc_b = _start([f"--model_dir={dir_b}", "--stop_after_steps=6"])
-    out_b1 = _finish(proc_b)
-    out_b2 = _finish(_start([f"--model_dir={dir_b}"]))
-    out_a = _finish(proc_a)
-    return {"dir_a": dir_a, "a": out_a, "b1": out_b1, "b2": out_b2}
+    proc_plan = _start([f"--model_dir={tmp_path_factory.mktemp('run_plan')}"], flags=PLANNED)
+    try:
+        out_b1 = _finish(proc_b)
+        out_b2 = _finish(_start([f"--model_dir={dir_b}"]))
+        out_a = _finish(proc_a)
+    except BaseException:
+        for proc in (proc_a, proc_b, proc_plan):
+            proc.kill()
+        raise
+    # The planned run is awaited (and its failure reported) by its own test.
+    return {"dir_a": dir_a, "a": out_a, "b1": out_b1, "b2": out_b2, "plan": proc_plan}
 
 
 def test_short_run_trains_logs_checkpoints_exports_and_samples(runs):
@@ -138,3 +156,14 @@ def test_killed_run_resumes_on_the_same_loss_trajectory(runs):
     )
     final_a, final_b = _summary(runs["a"])["final_val_loss"], _summary(runs["b2"])["final_val_loss"]
     assert final_b == pytest.approx(final_a, rel=1e-6)
+
+
+def test_builds_from_a_plan(runs):
+    # --plan_memory_budget: the planner profiles on integer token ids (the embedding takes
+    # no floats) and the model follows the plan it prints.
+    out = _finish(runs["plan"])
+    planned = re.search(r"Plan: K=(\d+) M=(\d+) .*balance=(\[[0-9, ]+\])", out)
+    assert planned and "Candidates (" in out, out[-5000:]
+    summary = _summary(out)
+    assert summary["balance"] == json.loads(planned.group(3)), out[-3000:]
+    assert len(summary["devices"]) == int(planned.group(1)), out[-3000:]
