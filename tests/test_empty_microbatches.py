@@ -85,8 +85,14 @@ def _probes(model):
     return [layer for layer in model.layers if isinstance(layer, NoEmpty)]
 
 
+# The convolutions (inputs of rank 3 and 4) under every schedule but zb-h1; the LSTM (the
+# slowest to trace) under gpipe and zb-h1: one schedule that takes the loss on the merged
+# batch, one that takes it per micro-batch (1f1b, interleaved and zb-h1 share that code).
+# No library code looks at the kind of layer: a padded micro-batch is a padded micro-batch.
 @pytest.mark.parametrize(
-    "case,schedule", [(c, s) for s in SCHEDULES if s != "zb-h1" for c in CASES] + [("lstm", "zb-h1")]
+    "case,schedule",
+    [(c, s) for s in SCHEDULES if s != "zb-h1" for c in CASES if c != "lstm"]
+    + [("lstm", "gpipe"), ("lstm", "zb-h1")],
 )
 def test_partial_batches_smaller_than_m_match_keras(case, schedule):
     """13 examples, batch_size=10, M=8: the last batch (3) leaves 5 micro-batches without

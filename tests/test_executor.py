@@ -38,7 +38,7 @@ def _compile(model, **kw):
 @pytest.mark.parametrize("schedule,K,M,v,remat,batch_size", SCHEDULE_CASES)
 def test_every_schedule_fits_like_unsplit(schedule, K, M, v, remat, batch_size):
     seq, pm = pair(
-        lambda: mlp_layers(depth=11),
+        lambda: mlp_layers(depth=5),
         (None, 8),
         num_stages=K,
         num_micro_batches=M,

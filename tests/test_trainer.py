@@ -10,9 +10,6 @@ from tf_gpipe import keras_compat
 
 T, VOCAB, CLASSES = 6, 20, 5
 
-# schedule, M, virtual_stages, examples: uneven micro-batches (7 = 3+2+2, 10 = 3+3+2+2).
-SCHEDULES = [("gpipe", 3, 1, 7), ("1f1b", 4, 1, 10), ("interleaved", 4, 2, 10)]
-
 
 def _wide(seed):
     # Large embeddings and logits: per-token losses then differ, so the padding moves the mean.
@@ -92,9 +89,22 @@ def _assert_mask_matters(model, x, y, sw):
     assert abs(masked - unmasked) > 1e-3 * abs(masked)  # 100 x the tolerance
 
 
-@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "sample_weight"])
-@pytest.mark.parametrize("kind", ["dense", "lstm"])
-@pytest.mark.parametrize("schedule,M,v,n", SCHEDULES)
+# Each schedule with both kinds, and with and without sample weights; each kind with and
+# without (every pair of the three choices meets). The kind decides what carries the mask
+# to the loss; the weights multiply the per-token losses, whatever carried the mask.
+# schedule, M, virtual_stages, examples (uneven micro-batches: 7 = 3+2+2, 10 = 3+3+2+2),
+# kind, weighted.
+TRAIN_ON_BATCH_CASES = [
+    ("gpipe", 3, 1, 7, "dense", False),
+    ("gpipe", 3, 1, 7, "lstm", True),
+    ("1f1b", 4, 1, 10, "dense", True),
+    ("1f1b", 4, 1, 10, "lstm", False),
+    ("interleaved", 4, 2, 10, "dense", False),
+    ("interleaved", 4, 2, 10, "lstm", True),
+]
+
+
+@pytest.mark.parametrize("schedule,M,v,n,kind,weighted", TRAIN_ON_BATCH_CASES)
 def test_train_on_batch_matches_keras(schedule, M, v, n, kind, weighted):
     seq, pm = _pair(kind, schedule, M, v)
     x, y, sw = _padded(n)
