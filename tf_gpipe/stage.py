@@ -162,10 +162,11 @@ class StageFunctions:
     #
     # The sums' token (ready once an addition is done) flows as data from the zeroing
     # through every addition of the stage to the final read: each function call's every
-    # output is read as data. Grappler's function optimizer rewrites a copy of a function
-    # for each call with an output nobody reads as data (a token read only through a
-    # control edge, or an IndexedSlices' dense_shape); checking each such call took it
-    # ~70 ms per micro-batch at K=4, and the first step grew with M.
+    # output is read as data. Grappler's function optimizer specializes (rewrites a copy
+    # of) a function for each call with an output nobody reads as data (a token read only
+    # through a control edge, or an IndexedSlices' dense_shape); with every output read it
+    # specializes none. (The first step did not get measurably faster: what grows with M is
+    # elsewhere, benchmarks/compiled_stages/README.md.)
     def sums(self, variables: list[Any]) -> list[tf.Variable]:
         """The gradient-sum variables of ``variables`` (made on first use, never saved)."""
         missing = [v for v in variables if id(v) not in self._sums]
