@@ -56,7 +56,8 @@ def test_stage_traced_at_most_twice_and_not_per_micro_batch(schedule):
     halves = 2 if schedule == "zb-h1" else 1
     for per_stage in counts[8]:
         assert 1 <= per_stage["forward"] <= 2 and 1 <= per_stage["backward"] <= 2 * halves, counts
-    assert counts[8] == counts[3]
+    # No more than M=3's (with GPipe's loop over ticks at M=8, one trace serves every size).
+    assert all(a[k] <= b[k] for a, b in zip(counts[8], counts[3]) for k in a), counts
 
 
 def test_remat_never_traced_once_per_signature():
@@ -109,7 +110,8 @@ def test_step_graph_holds_stage_bodies_once(remat):
     forward function once, not per call. Only the calls grow with M."""
     bodies_2, nodes_2 = _step_functions(2, remat, 7)
     bodies_6, nodes_6 = _step_functions(6, remat, 7)
-    assert bodies_2 == bodies_6
+    # GPipe's loops over ticks (tf_gpipe.loop, M=6 re-materialized) add their own bodies.
+    assert bodies_2 == [b for b in bodies_6 if "_while_" not in b]
     assert sum("forward_body" in name for name in bodies_6) >= 2  # the stages are functions
     assert nodes_6 > nodes_2
 
