@@ -1,33 +1,33 @@
-"""GPipe's training step as loops over clock ticks: a graph, and a first step, flat in M.
+"""GPipe's training step as two loops over clock ticks: a graph, and a first step, flat in M.
 
 ``executor.run_schedule`` builds one stage-function call per (stage, micro-batch)
 action: O(K x M) call ops. TensorFlow builds each called function's body again for
 every call site while it optimizes and partitions the step graph, so the first step
 grows with M (benchmarks/compiled_stages/README.md). For the GPipe schedule with every
-stage re-materialized, this module builds the same step around O(K^2) call sites,
-whatever M:
+stage re-materialized, this module builds the same step around 2K call sites, as many
+as one micro-batch needs, whatever M:
 
-* forward phase: at tick ``t`` stage ``s`` runs micro-batch ``t - s``. The ticks in
-  which every stage is busy (``t = K .. M - 1``) run as one ``tf.while_loop`` whose
-  body calls each stage once; the K fill ticks before it and the K - 1 drain ticks
-  after it are built out, as the executor builds every tick.
-* the loss of the whole mini-batch, once every forward is done (GPipe's).
-* backward phase: at tick ``t`` stage ``s`` runs micro-batch ``t - (K - 1 - s)``, in
-  the same three parts.
+* forward phase: a ``tf.while_loop`` over the M + K - 1 clock ticks; at tick ``t``
+  stage ``s`` runs micro-batch ``t - s`` under a ``tf.cond`` that skips the ticks
+  where it has none (the pipeline filling and draining);
+* the loss of the whole mini-batch, once every forward is done (GPipe's);
+* backward phase: the same, stage ``s`` on micro-batch ``t - (K - 1 - s)``.
 
 From one tick to the next a stage hands its outputs (backward: its input gradients)
-to its neighbour as loop variables. What a stage's backward needs of its forwards
-(its inputs, side inputs and mask, the state each forward read, its layers' losses)
-waits in TensorArrays on the stage's device, indexed by micro-batch; they hold
-micro-batches of different sizes, so an uneven split needs no padding. Each stage's
-calls are chained, forward through its previous output and backward through its
-gradient-sum token, so each device runs its actions in GPipe's order, as the
-executor's control dependencies make it. The results are the executor's: the same
-calls, the same gradient summation order, the same BatchNormalization pooling order.
+to its neighbour as loop variables. What a stage's backward needs of its forwards (its
+inputs, side inputs and mask, the state each forward read, its layers' losses) waits in
+TensorArrays on the stage's device, indexed by micro-batch; they hold micro-batches of
+different sizes, so an uneven split needs no padding (an idle tick writes to a spare
+last slot). Each stage's calls are chained, forward through its previous output and
+backward through its gradient-sum token, so each device runs its actions in GPipe's
+order, as the executor's control dependencies make it; no tick waits for the others.
+The loops need each stage's output structure before they are built: the stage
+functions are traced (``get_concrete_function``), not called, for it.
 
-Every stage input is given a leading dimension of unknown size, so each stage
-function is traced once for every micro-batch size (the executor traces a second
-signature for the smaller micro-batches of an uneven split).
+The results are the executor's: the same stage functions on the same micro-batches, the
+gradients summed, and BatchNormalization moments pooled, in the same order. An uneven
+split gives every stage input a leading dimension of unknown size, so one trace serves
+every micro-batch size.
 """
 
 from __future__ import annotations
@@ -42,12 +42,11 @@ from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
-__all__ = ["MIN_LOOP_TICKS", "applies", "run"]
+__all__ = ["MIN_MICRO_BATCHES", "applies", "run"]
 
-# Fewer ticks in the loop than this and the step is built out entirely by the executor:
-# a loop of one tick saves one call per stage and costs the loop's own machinery.
-MIN_LOOP_TICKS = 2
-PAR = 10
+# Fewer micro-batches than this and the executor builds every action: at M = 1 nothing
+# is summed, and the loops would only add their machinery.
+MIN_MICRO_BATCHES = 2
 
 
 def applies(
@@ -63,7 +62,7 @@ def applies(
     S, M = len(cells), len(split)
     if schedule.name != "gpipe" or tracer is not None or tf.executing_eagerly():
         return False
-    if M - S < MIN_LOOP_TICKS or not all(rematerializes(s) for s in range(S)):
+    if M < MIN_MICRO_BATCHES or not all(rematerializes(s) for s in range(S)):
         return False
     if any(getattr(c, "run_eagerly", False) for c in cells):
         return False
@@ -73,11 +72,25 @@ def applies(
 
 
 def _relaxed(t: Any) -> Any:
-    """``t`` with a leading dimension of unknown size, so that every micro-batch size
-    shares one trace and one loop-variable shape."""
+    """``t`` with a leading dimension of unknown size."""
     if not isinstance(t, tf.Tensor) or t.shape.rank in (None, 0) or t.shape[0] is None:
         return t
     return tf.compat.v1.placeholder_with_default(t, [None, *t.shape.as_list()[1:]])
+
+
+def _relaxed_spec(spec: tf.TensorSpec) -> tf.TensorSpec:
+    if spec.shape.rank in (None, 0):
+        return spec
+    return tf.TensorSpec([None, *spec.shape.as_list()[1:]], spec.dtype)
+
+
+def _spec(t: Any) -> Any:
+    return None if t is None else tf.TensorSpec(t.shape, t.dtype)
+
+
+def _zeros(spec: tf.TensorSpec) -> tf.Tensor:
+    """A stand-in of ``spec``'s structure: no rows where the size is unknown."""
+    return tf.zeros([0 if d is None else d for d in spec.shape.as_list()], spec.dtype)
 
 
 def _after(deps: Sequence[Any], structure: Any) -> Any:
@@ -90,14 +103,15 @@ def _after(deps: Sequence[Any], structure: Any) -> Any:
 
 
 class _Layout:
-    """A nested structure's tensors as a flat list without its Nones, and back."""
+    """A nested structure of tensors or specs as a flat list without its Nones, and back."""
 
-    def __init__(self, structure: Any, relax: Callable[[Any], Any] = lambda t: t):
+    def __init__(self, structure: Any, relax: bool = False):
         self.structure = structure
         flat = tf.nest.flatten(structure)
         self.positions = [i for i, t in enumerate(flat) if t is not None]
         self.size = len(flat)
-        self.specs = [(flat[i].dtype, relax(flat[i]).shape) for i in self.positions]
+        specs = [_spec(flat[i]) for i in self.positions]
+        self.specs = [_relaxed_spec(s) for s in specs] if relax else specs
 
     def compress(self, structure: Any) -> list[tf.Tensor]:
         flat = tf.nest.flatten(structure)
@@ -111,10 +125,26 @@ class _Layout:
             full[i] = v
         return tf.nest.pack_sequence_as(self.structure, full)
 
+    def spec_structure(self) -> Any:
+        return self.expand(self.specs)
+
+    def zeros(self) -> list[tf.Tensor]:
+        return [_zeros(s) for s in self.specs]
+
     def arrays(self, size: int) -> list[tf.TensorArray]:
+        # Of any leading size, so that an entry can be freed (``free``) once read.
         return [
-            tf.TensorArray(dtype, size=size, infer_shape=False, element_shape=shape)
-            for dtype, shape in self.specs
+            tf.TensorArray(s.dtype, size=size, infer_shape=False, element_shape=_relaxed_spec(s).shape)
+            for s in self.specs
+        ]
+
+    def read(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
+        return [tf.ensure_shape(a.read(m), s.shape) for a, s in zip(arrays, self.specs)]
+
+    def free(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.TensorArray]:
+        """``arrays`` with entry ``m`` replaced by rows of none (where it has rows)."""
+        return [
+            a.write(m, _zeros(_relaxed_spec(s))) if s.shape.rank else a for a, s in zip(arrays, self.specs)
         ]
 
 
@@ -122,48 +152,29 @@ def _write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) ->
     return [a.write(m, v) for a, v in zip(arrays, values)]
 
 
-def _read(arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
-    return [a.read(m) for a in arrays]
+def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], batched: Sequence[str]) -> None:
+    """Run ``tick(t)`` for ``t`` in ``range(ticks)`` as a ``tf.while_loop`` whose loop
+    variables are everything in ``state`` (lists of tensors and TensorArrays), updated
+    in place. The ``batched`` entries enter with a leading dimension of unknown size."""
+    keys = sorted(state, key=repr)
+    for k in keys:
+        if k[0] in batched:
+            state[k] = [_relaxed(v) for v in state[k]]
+    lengths = [len(state[k]) for k in keys]
 
+    def unpack(values):
+        it = iter(values)
+        for k, n in zip(keys, lengths):
+            state[k] = [next(it) for _ in range(n)]
 
-class _Ticks:
-    """Runs ``tick(t)`` for ``t`` in a range: built out, or as a ``tf.while_loop`` whose
-    loop variables are everything in ``state`` (lists of tensors and TensorArrays)."""
-
-    def __init__(self, state: dict, batched: Sequence[str], relax: Callable[[Any], Any]):
-        self.state = state
-        self.batched = set(batched)  # state whose leading dimension is the micro-batch's
-        self.relax = relax
-
-    def unrolled(self, first: int, last: int, tick: Callable[[Any], None]) -> None:
-        for t in range(first, last):
-            tick(t)
-
-    def looped(self, first: int, last: int, tick: Callable[[Any], None]) -> None:
-        import os
-        if os.environ.get("NOLOOP") == tf.get_current_name_scope().split("/")[-1] or os.environ.get("NOLOOP") == "all":
-            return self.unrolled(first, last, tick)
-        keys = sorted(self.state, key=repr)
-        for k in keys:  # these loop variables keep a leading dimension of unknown size
-            if k[0] in self.batched:
-                self.state[k] = [self.relax(v) for v in self.state[k]]
-        lengths = [len(self.state[k]) for k in keys]
-
-        def unpack(values):
-            it = iter(values)
-            for k, n in zip(keys, lengths):
-                self.state[k] = [next(it) for _ in range(n)]
-
-        def body(t, *values):
-            unpack(values)
-            tick(t)
-            if sorted(self.state, key=repr) != keys:
-                raise RuntimeError("tf_gpipe: the loop body added state; the ticks before it must make all of it.")
-            return (t + 1, *[v for k in keys for v in self.state[k]])
-
-        start = (tf.constant(first), *[v for k in keys for v in self.state[k]])
-        _, *values = tf.while_loop(lambda t, *_: t < last, body, start, parallel_iterations=PAR)
+    def body(t, *values):
         unpack(values)
+        tick(t)
+        return (t + 1, *[v for k in keys for v in state[k]])
+
+    start = (tf.constant(0), *[v for k in keys for v in state[k]])
+    _, *values = tf.while_loop(lambda t, *_: t < ticks, body, start)
+    unpack(values)
 
 
 def run(
@@ -178,8 +189,12 @@ def run(
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]]]:
     """Build one GPipe training step; arguments and results as ``executor.run_schedule``'s."""
     S, M = len(cells), len(split)
+    T = M + S - 1
     fns = [stage.functions(c) for c in cells]
     sides = list(sides) if sides is not None else [None] * M
+    # Micro-batches of one known size keep it (static shapes trace and run leaner); of
+    # several sizes, or of unknown size, they share a leading dimension of unknown size.
+    relax = not (split.static and len(set(split.sizes)) == 1)
     nonempty_all = None
     if split.padded:
         flags = [split.nonempty(m) for m in range(M)]
@@ -188,84 +203,110 @@ def run(
     def nonempty(m: Any) -> Any:
         return None if nonempty_all is None else nonempty_all[m]
 
-    # Micro-batches of one known size keep it (static shapes trace and run leaner); of
-    # several sizes, or unknown, they share one leading dimension of unknown size.
-    uniform = split.static and len(set(split.sizes)) == 1
-    relax = (lambda t: t) if uniform else _relaxed
-    loss_weights = None if cell_loss_grads is None else tf.stack(list(cell_loss_grads))
-    state: dict[Any, list[Any]] = {}  # what changes from tick to tick
-    ins: dict[int, _Layout] = {}  # per stage: (inputs, mask, side)
-    outs: dict[int, _Layout] = {}  # per stage: (outputs, out_mask, side)
-    kept: dict[int, _Layout] = {}  # per stage: the state its forward read
-    added: dict[int, _Layout] = {}  # per stage: the losses its layers added
-    norms: dict[int, list[Any]] = {}  # per stage: its BatchNormalization layers, in pooling order
-    in_grads_of: dict[int, _Layout] = {}  # per stage > 0: its input gradients
-    rows: dict[int, list[tuple[int, Any]]] = {}  # per stage: (variable index, dense_shape) with rows
+    def nonempty_spec() -> Any:
+        return None if nonempty_all is None else tf.TensorSpec([], tf.bool)
 
-    # Stage 0's inputs, every micro-batch, on its device; later stages stash theirs as they come.
-    first_in = (split.chunks[0], masks[0], sides[0])
-    ins[0] = _Layout(first_in, relax)
+    loss_weights = None if cell_loss_grads is None else tf.stack(list(cell_loss_grads))
+    defer = None if deferred is None else DeferredStats()  # only tested for None while tracing
+
+    # ------------------------------------------------ each stage's structures, traced once
+    ins: list[_Layout] = []  # per stage: (inputs, mask, side)
+    outs: list[_Layout] = []  # per stage: (outputs, out_mask, side)
+    kept: list[_Layout] = []  # per stage: the state its forward read
+    added: list[_Layout] = []  # per stage: the losses its layers added
+    moments: list[_Layout] = []  # per stage: its BatchNormalization moments
+    ins.append(_Layout((split.chunks[0], masks[0], sides[0]), relax))
+    for s in range(S):
+        x, mask, side = ins[s].spec_structure()
+        outputs, out_mask, losses, before, sums = fns[s].forward_outputs(
+            x, mask, side, nonempty_spec(), True, defer
+        )
+        outs.append(_Layout((outputs, out_mask, side), relax))
+        kept.append(_Layout(before))
+        added.append(_Layout(losses))
+        moments.append(_Layout(sums))
+        if s + 1 < S:
+            ins.append(outs[s])
+    if any(a.positions for a in added) and loss_weights is None:
+        raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
+
+    # ------------------------------------------------------------------ forward phase
+    state: dict[Any, list[Any]] = {}  # what changes from tick to tick
     with tf.device(cells[0].device):
-        arrays = ins[0].arrays(M)
+        arrays = ins[0].arrays(M + 1)  # the last slot takes what idle ticks write
         for m in range(M):
             arrays = _write(arrays, m, ins[0].compress((split.chunks[m], masks[m], sides[m])))
     state["in", 0] = arrays
+    for s in range(S):
+        with tf.device(cells[s].device):
+            if s > 0:
+                state["in", s] = ins[s].arrays(M + 1)
+            state["out", s] = outs[s].zeros()
+            state["kept", s] = kept[s].arrays(M + 1)
+            state["added", s] = added[s].arrays(M + 1)
+            state["moments", s] = moments[s].zeros()
+    with tf.device(cells[-1].device):
+        state["last", S - 1] = outs[-1].arrays(M + 1)
 
-    def forward(s: int, m: Any) -> None:
+    def forward(s: int, t: tf.Tensor) -> None:
         cell = cells[s]
+        m = t - s
+        active = tf.logical_and(m >= 0, m < M)
+        slot = tf.where(active, m, M)
+        current = tf.clip_by_value(m, 0, M - 1)
         with tf.device(cell.device):
             if s == 0:
-                x, mask, side = ins[0].expand(_read(state["in", 0], m))
+                x, mask, side = ins[0].expand(ins[0].read(state["in", 0], current))
             else:  # what stage s - 1 produced at the previous tick
                 x, mask, side = outs[s - 1].expand(state["out", s - 1])
-            if ("out", s) in state:  # after this stage's previous forward
-                x = _after(state["out", s][:1], x)
-            if s > 0:
-                if s not in ins:
-                    ins[s] = _Layout((x, mask, side), relax)
-                    state["in", s] = ins[s].arrays(M)
-                state["in", s] = _write(state["in", s], m, ins[s].compress((x, mask, side)))
-            local = None if deferred is None else DeferredStats()
-            with tf.name_scope(f"stage{s}_forward"):
+                state["in", s] = _write(state["in", s], slot, ins[s].compress((x, mask, side)))
+            previous = state["out", s]
+
+            def run_stage():
+                local = None if deferred is None else DeferredStats()
                 rec = remat.forward(
-                    cell, x, mask, True, remat=True, nonempty=nonempty(m), deferred=local, side=side
+                    cell,
+                    _after(previous[:1], x),  # after this stage's previous forward
+                    mask,
+                    True,
+                    remat=True,
+                    nonempty=nonempty(current),
+                    deferred=local,
+                    side=side,
                 )
-            out = (rec.outputs, rec.out_mask, side)
-            moments = [] if local is None else local.sums()
-            if s not in outs:
-                outs[s] = _Layout(out, relax)
-                kept[s], added[s] = _Layout(list(rec.before)), _Layout(list(rec.losses))
-                state["kept", s], state["added", s] = kept[s].arrays(M), added[s].arrays(M)
-                norms[s] = [bn for bn, _ in moments]
-                state["moments", s] = [t for _, sums in moments for t in sums]
-                if s == S - 1:
-                    state["last", s] = outs[s].arrays(M)
-            else:  # pooled in the executor's order: micro-batch after micro-batch
-                new = [t for _, sums in moments for t in sums]
-                state["moments", s] = [a + b for a, b in zip(state["moments", s], new)]
-            state["out", s] = [relax(t) for t in outs[s].compress(out)]
-            state["kept", s] = _write(state["kept", s], m, kept[s].compress(list(rec.before)))
-            state["added", s] = _write(state["added", s], m, added[s].compress(list(rec.losses)))
+                found = [] if local is None else [t for _, sums in local.sums() for t in sums]
+                return (
+                    outs[s].compress((rec.outputs, rec.out_mask, side)),
+                    kept[s].compress(rec.before),
+                    added[s].compress(rec.losses),
+                    found,
+                )
+
+            def idle():
+                return previous, kept[s].zeros(), added[s].zeros(), moments[s].zeros()
+
+            with tf.name_scope(f"stage{s}_forward"):
+                out, before, losses, found = tf.cond(active, run_stage, idle)
+            state["out", s] = list(out)
+            state["kept", s] = _write(state["kept", s], slot, before)
+            state["added", s] = _write(state["added", s], slot, losses)
+            # Pooled in the executor's order, micro-batch after micro-batch (x + 0 is x).
+            state["moments", s] = [a + b for a, b in zip(state["moments", s], found)]
             if s == S - 1:
-                state["last", s] = _write(state["last", s], m, state["out", s])
+                state["last", s] = _write(state["last", s], slot, state["out", s])
 
-    def forward_tick(t: Any) -> None:
+    def forward_tick(t: tf.Tensor) -> None:
         for s in reversed(range(S)):  # each stage reads its neighbour's output of the previous tick
-            if isinstance(t, int) and not 0 <= t - s < M:
-                continue
-            forward(s, t - s)
+            forward(s, t)
 
-    ticks = _Ticks(state, ("out", "grad"), relax)
     with tf.name_scope("gpipe_forward"):
-        ticks.unrolled(0, S, forward_tick)
-        ticks.looped(S, M, forward_tick)
-        ticks.unrolled(M, M + S - 1, forward_tick)
+        _loop(state, T, forward_tick, batched=("out",) if relax else ())
 
-    # Every forward is done: the whole mini-batch's loss, as the executor computes it.
+    # ------------------------------------------- every forward is done: the batch's loss
     outputs, out_masks, cell_losses = [], [], []
     with tf.device(cells[-1].device):
         for m in range(M):
-            out, out_mask, _ = outs[S - 1].expand(_read(state["last", S - 1], m))
+            out, out_mask, _ = outs[S - 1].expand(outs[S - 1].read(state["last", S - 1], m))
             outputs.append(out)
             out_masks.append(out_mask)
     for m in range(M):
@@ -273,55 +314,98 @@ def run(
         for s in range(S):
             if added[s].positions:
                 with tf.device(cells[s].device):
-                    row.extend(added[s].expand(_read(state["added", s], m)))
+                    row.extend(added[s].expand(added[s].read(state["added", s], m)))
         cell_losses.append(row)
     if deferred is not None:
-        for s in range(S):
-            for i, bn in enumerate(norms[s]):
-                deferred.add_sums(bn, state["moments", s][3 * i : 3 * i + 3])
-            del state["moments", s]
-    if any(added[s].positions for s in range(S)) and loss_weights is None:
-        raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
+        for s, fn in enumerate(fns):
+            pooled = moments[s].expand(state["moments", s])
+            key = (True, bool(cells[s].batch_norms))
+            for bn, sums in zip(fn._deferred_layers.get(key, []), pooled):
+                deferred.add_sums(bn, sums)
     with tf.device(cells[-1].device), tf.name_scope("loss"):
         grads = batch_loss(outputs, out_masks)
         given = _Layout(list(grads[0]), relax)
         arrays = given.arrays(M)
         for m in range(M):
             arrays = _write(arrays, m, given.compress(list(grads[m])))
+    for key in [k for k in state if k[0] in ("out", "added", "moments", "last")]:
+        del state[key]
     state["given", S - 1] = arrays
+
+    # ------------------------------------------------------------------ backward phase
+    in_grads_of: dict[int, _Layout] = {}  # per stage > 0: its input gradients
+    rows: dict[int, list[tuple[int, Any, _Layout]]] = {}  # per stage: (variable index, dense_shape, layout)
+    output_grads = given.spec_structure()
+    for s in reversed(range(S)):
+        x, mask, side = ins[s].spec_structure()
+        lw = [tf.TensorSpec([], loss_weights.dtype)] * len(added[s].positions) if added[s].positions else []
+        in_grads, (_, found) = fns[s].backward_outputs(
+            x,
+            mask,
+            side,
+            kept[s].spec_structure(),
+            list(output_grads),
+            lw,
+            nonempty_spec(),
+            True,
+            deferred is not None,
+            s > 0,
+            tf.TensorSpec([], tf.bool),
+        )
+        rows[s] = []
+        for i, r in enumerate(found):
+            if r is not None:
+                shape = tf.constant(cells[s].trainable_variables[i].shape.as_list(), tf.int32)
+                rows[s].append((i, shape, _Layout(r, relax=True)))
+        if s > 0:
+            in_grads_of[s] = _Layout(in_grads, relax)
+            output_grads = in_grads_of[s].spec_structure()
     for s in range(S):
-        state.pop(("last", s), None)
-        state.pop(("added", s))
         with tf.device(cells[s].device):
             state["token", s] = [fns[s].zero_sums()]
+            if s > 0:
+                state["grad", s] = in_grads_of[s].zeros()
+            for i, _, layout in rows[s]:
+                state["rows", s, i] = layout.arrays(M + 1)
 
-    def backward(s: int, m: Any) -> None:
+    def backward(s: int, t: tf.Tensor) -> None:
         cell = cells[s]
+        m = t - (S - 1 - s)
+        active = tf.logical_and(m >= 0, m < M)
+        slot = tf.where(active, m, M)
+        current = tf.clip_by_value(m, 0, M - 1)
         with tf.device(cell.device):
-            if s == S - 1:
-                dy = given.expand(_read(state["given", s], m))
-            else:  # what stage s + 1 produced at the previous tick
-                dy = in_grads_of[s + 1].expand(state["grad", s + 1])
-            if ("out", s) in state:  # the first backward: after the last forward
-                dy = _after(state.pop(("out", s))[:1], dy)
-            x, mask, side = ins[s].expand(_read(state["in", s], m))
-            before = kept[s].expand(_read(state["kept", s], m))
-            losses = added[s].positions
-            loss_grads = [loss_weights[m]] * len(losses) if losses else []
-            record = remat.Record(
-                inputs=x,
-                mask=mask,
-                outputs=None,
-                out_mask=None,
-                losses=[],
-                nonempty=nonempty(m),
-                side=side,
-                before=before,
-                training=True,
-                deferred=deferred is not None,
-            )
-            with tf.name_scope(f"stage{s}_backward"):
-                in_grads, (token, grads) = remat.backward(
+            stash, saved, token = state["in", s], state["kept", s], state["token", s][0]
+            given_arrays = state.get(("given", s))
+            upper = None if s == S - 1 else state["grad", s + 1]  # stage s + 1's, of the previous tick
+            previous = state.get(("grad", s), [])
+            # Dropped after this backward, as the executor drops each record (the reads
+            # below, of this list's version before the write, still see it).
+            state["in", s] = ins[s].free(stash, slot)
+
+            def run_stage():
+                # Read here, not before the cond: an idle tick's index may hold a freed entry.
+                if s == S - 1:
+                    dy = given.expand(given.read(given_arrays, current))
+                else:
+                    dy = in_grads_of[s + 1].expand(upper)
+                x, mask, side = ins[s].expand(ins[s].read(stash, current))
+                before = kept[s].expand(kept[s].read(saved, current))
+                n_losses = len(added[s].positions)
+                loss_grads = [loss_weights[current]] * n_losses if n_losses else []
+                record = remat.Record(
+                    inputs=x,
+                    mask=mask,
+                    outputs=None,
+                    out_mask=None,
+                    losses=[],
+                    nonempty=nonempty(current),
+                    side=side,
+                    before=before,
+                    training=True,
+                    deferred=deferred is not None,
+                )
+                in_grads, (new_token, grads) = remat.backward(
                     cell,
                     record,
                     list(dy),
@@ -330,41 +414,44 @@ def run(
                     cell.trainable_variables,
                     need_input_grads=s > 0,
                     to_sums=True,
-                    after=state["token", s][0],
+                    after=token,
                 )
-            state["token", s] = [token]
-            if s not in rows:
-                rows[s] = [(i, g.dense_shape) for i, g in enumerate(grads) if g is not None]
-                for i, _ in rows[s]:
-                    state["values", s, i] = _Layout(grads[i].values, relax).arrays(M)
-                    state["indices", s, i] = _Layout(grads[i].indices, relax).arrays(M)
-            for i, _ in rows[s]:
-                state["values", s, i] = _write(state["values", s, i], m, [grads[i].values])
-                state["indices", s, i] = _write(state["indices", s, i], m, [grads[i].indices])
-            if s > 0:
-                if s not in in_grads_of:
-                    in_grads_of[s] = _Layout(list(in_grads))
-                state["grad", s] = [relax(g) for g in in_grads_of[s].compress(list(in_grads))]
+                found = [
+                    t
+                    for i, _, layout in rows[s]
+                    for t in layout.compress((grads[i].values, grads[i].indices))
+                ]
+                grad = in_grads_of[s].compress(in_grads) if s > 0 else []
+                return grad, new_token, found
 
-    def backward_tick(t: Any) -> None:
+            def idle():
+                return previous, tf.identity(token), [z for _, _, layout in rows[s] for z in layout.zeros()]
+
+            with tf.name_scope(f"stage{s}_backward"):
+                grad, new_token, found = tf.cond(active, run_stage, idle)
+            state["token", s] = [new_token]
+            if s > 0:
+                state["grad", s] = list(grad)
+            it = iter(found)
+            for i, _, _ in rows[s]:
+                state["rows", s, i] = _write(state["rows", s, i], slot, [next(it), next(it)])
+
+    def backward_tick(t: tf.Tensor) -> None:
         for s in range(S):  # each stage reads its neighbour's gradients of the previous tick
-            m = t - (S - 1 - s)
-            if isinstance(t, int) and not 0 <= m < M:
-                continue
-            backward(s, m)
+            backward(s, t)
 
     with tf.name_scope("gpipe_backward"):
-        ticks.unrolled(0, S, backward_tick)
-        ticks.looped(S, M, backward_tick)
-        ticks.unrolled(M, M + S - 1, backward_tick)
+        _loop(state, T, backward_tick, batched=("grad",) if relax else ())
 
     totals: dict[int, Any] = {}
     for s in range(S):
         variables = cells[s].trainable_variables
         with tf.device(cells[s].device):
-            for i, dense_shape in rows[s]:  # concatenated in micro-batch order, as the executor does
-                values = state["values", s, i][0].concat()
-                indices = state["indices", s, i][0].concat()
-                totals[id(variables[i])] = tf.IndexedSlices(values, indices, dense_shape)
+            for i, dense_shape, _ in rows[s]:  # concatenated in micro-batch order, as the executor does
+                pairs = [state["rows", s, i][0].read(m) for m in range(M)]
+                indices = [state["rows", s, i][1].read(m) for m in range(M)]
+                totals[id(variables[i])] = tf.IndexedSlices(
+                    tf.concat(pairs, 0), tf.concat(indices, 0), dense_shape
+                )
         totals.update(fns[s].read_sums(state["token", s][0]))
     return outputs, out_masks, totals, cell_losses

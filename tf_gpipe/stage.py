@@ -287,6 +287,18 @@ class StageFunctions:
             _attach_mask(outputs, out_mask)
         return outputs, out_mask, list(losses), list(before)
 
+    def forward_outputs(
+        self, inputs: Any, mask: Any, side: dict | None, nonempty: Any, training: Any, deferred: Any
+    ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor], list[list[tf.Tensor]]]:
+        """What ``forward`` returns for these arguments (tensors or ``tf.TensorSpec``s), as
+        the traced function's symbolic outputs, without calling it: ``(outputs, out_mask,
+        losses, before, BatchNormalization moments)``. A later ``forward`` with matching
+        arguments reuses the trace. ``deferred`` is only tested for None."""
+        defer = deferred is not None and bool(training) and bool(self.cell.batch_norms)
+        concrete = self._forward.get_concrete_function(inputs, mask, side, nonempty, training, defer)
+        outputs, out_mask, losses, before, moments = concrete.structured_outputs
+        return outputs, out_mask, list(losses), list(before), list(moments)
+
     def _forward_body(self, inputs, mask, side, nonempty, training, defer):
         self.traces["forward"] += 1
         cell, key = self.cell, (training, defer)
@@ -386,6 +398,45 @@ class StageFunctions:
             token, rows = var_grads
             return list(in_grads), (token, self._rows_in(rows))
         return list(in_grads), list(var_grads)
+
+    def backward_outputs(
+        self,
+        inputs: Any,
+        mask: Any,
+        side: dict | None,
+        before: list[Any],
+        output_grads: list[Any],
+        loss_grads: list[Any],
+        nonempty: Any,
+        training: Any,
+        deferred: bool,
+        need_input_grads: bool,
+        after: Any,
+    ) -> tuple[list[Any], Any]:
+        """What ``backward(..., to_sums=True)`` returns for these arguments (tensors or
+        ``tf.TensorSpec``s), as the traced function's symbolic outputs, without calling it:
+        ``(input grads, (token, rows))``, rows as ``(values, indices)`` pairs or None."""
+        defer = bool(deferred) and bool(training) and bool(self.cell.batch_norms)
+        self.sums(self.cell.trainable_variables)
+        concrete = self._backward.get_concrete_function(
+            inputs,
+            mask,
+            side,
+            list(before),
+            list(output_grads),
+            list(loss_grads),
+            nonempty,
+            training,
+            defer,
+            need_input_grads,
+            None,
+            None,
+            True,
+            True,
+            after,
+        )
+        in_grads, (token, rows) = concrete.structured_outputs
+        return list(in_grads), (token, list(rows))
 
     def _backward_body(
         self,

@@ -1,0 +1,170 @@
+"""GPipe's training step as loops over clock ticks (tf_gpipe.loop): the executor's results,
+2K stage-function call sites whatever M, each stage's calls in GPipe's order."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, mlp_layers
+from test_side_inputs import _inputs as side_data
+from test_side_inputs import _layers as side_layers
+
+import tf_gpipe
+from tf_gpipe import loop
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+CALLS = ("StatefulPartitionedCall", "PartitionedCall")
+
+
+def _token_layers():
+    """Rows (an Embedding's gradient), a Keras mask, dropout, deferred BatchNormalization
+    statistics and an activity regularizer (a loss a layer adds) in one model."""
+    keras.utils.set_random_seed(4)
+    return [
+        keras.layers.Embedding(40, 8, mask_zero=True),
+        keras.layers.Dropout(0.25, seed=1),
+        keras.layers.Dense(8, activation="relu", activity_regularizer=keras.regularizers.l2(1e-2)),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3),
+    ]
+
+
+def _token_data(n=29):
+    rng = np.random.RandomState(0)
+    x = rng.randint(1, 40, (n, 6)).astype("int32")
+    x[:, 4:] *= rng.rand(n, 2) > 0.5  # some padding (token 0) at the end
+    return x, rng.randint(0, 3, n)
+
+
+def _fit(make_layers, x, y, use_loop, monkeypatch, **kwargs):
+    monkeypatch.setattr(loop, "MIN_MICRO_BATCHES", 2 if use_loop else 10**9)
+    calls = []
+    original = loop.run
+    monkeypatch.setattr(loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
+    keras.utils.set_random_seed(7)
+    pm = tf_gpipe.PipelineModel(make_layers(), num_micro_batches=5, **kwargs)
+    pm.compile(optimizer="adam", loss=LOSS)
+    # 29 examples in batches of 13: micro-batches of 3 and 2, then a batch of 3 cut
+    # into 5 (two of them padded stand-ins that must change nothing).
+    history = pm.fit(x, y, batch_size=13, epochs=2, shuffle=False, verbose=0)
+    return pm, history.history["loss"], bool(calls)
+
+
+@pytest.mark.parametrize("case", ["tokens", "side_inputs"])
+def test_loop_gives_the_executors_results(case, monkeypatch):
+    """Loss, weights, BatchNormalization statistics and optimizer state after two epochs of
+    uneven and padded micro-batches equal those of the executor's built-out step."""
+    if case == "tokens":
+        make, (x, y), kwargs = _token_layers, _token_data(), dict(num_stages=3)
+    else:
+        data = side_data(29)
+        make, x, y = side_layers, data, np.arange(29) % 3
+        kwargs = dict(num_stages=3, side_inputs=("scale", "keep"))
+    looped, loss_l, used = _fit(make, x, y, True, monkeypatch, **kwargs)
+    assert used
+    built, loss_b, used = _fit(make, x, y, False, monkeypatch, **kwargs)
+    assert not used
+    assert_all_close(loss_l, loss_b, rtol=1e-6, atol=1e-6)
+    assert_all_close(looped.weights, built.weights, rtol=1e-6, atol=1e-6)
+    assert_all_close(looped.optimizer.variables, built.optimizer.variables, rtol=1e-6, atol=1e-6)
+
+
+def _step_graph(M, use_loop, monkeypatch):
+    monkeypatch.setattr(loop, "MIN_MICRO_BATCHES", 2 if use_loop else 10**9)
+    keras.backend.clear_session()
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=M)
+    pm.compile(optimizer="sgd", loss=LOSS)
+    pm.build((None, 8))
+    pm.optimizer.build(pm.trainable_variables)
+    step = tf.function(pm.train_step)
+    spec = (tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([None], tf.int64))
+    return step.get_concrete_function(spec).graph.as_graph_def()
+
+
+def _stage_calls(nodes):
+    return [
+        n
+        for n in nodes
+        if n.op in CALLS and any(k in n.attr["f"].func.name for k in ("_forward_body", "_backward_body"))
+    ]
+
+
+def _count_stage_calls(graph_def):
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return len(_stage_calls(nodes))
+
+
+def test_stage_call_sites_do_not_grow_with_micro_batches(monkeypatch):
+    """K=2: as many stage-function call sites for M=9 as for M=2 (one forward and one
+    backward per stage), where the built-out step has one per (stage, micro-batch)."""
+    looped = {M: _count_stage_calls(_step_graph(M, True, monkeypatch)) for M in (2, 9)}
+    assert looped[2] == looped[9] == 4, looped
+    built = _count_stage_calls(_step_graph(9, False, monkeypatch))
+    assert built == 2 * 2 * 9, built
+
+
+def _name(ref):
+    return ref.lstrip("^").split(":")[0]
+
+
+def _through_identities(fdef, ref):
+    nodes = {n.name: n for n in fdef.node_def}
+    name = _name(ref)
+    while name in nodes and nodes[name].op == "Identity":
+        name = _name(nodes[name].input[0])
+    return name
+
+
+def _ancestors(fdef, name):
+    nodes = {n.name: n for n in fdef.node_def}
+    seen, stack = set(), [name]
+    while stack:
+        node = nodes.get(stack.pop())
+        for ref in [] if node is None else node.input:
+            if _name(ref) not in seen:
+                seen.add(_name(ref))
+                stack.append(_name(ref))
+    return seen
+
+
+def test_each_stage_call_waits_for_its_previous_call(monkeypatch):
+    """In both loops' bodies, every stage's call waits for what the same stage's call
+    produced at the previous tick (forward: its outputs; backward: its gradient-sum token),
+    so each device runs its actions one after the other in GPipe's order. (Read from the
+    graph, not timed: a run would not show a missing link reliably.)"""
+    graph_def = _step_graph(6, True, monkeypatch)
+    fdefs = {f.signature.name: f for f in graph_def.library.function}
+    checked = 0
+    for body in [f for name, f in fdefs.items() if "while_body" in name]:
+        args = [a.name for a in body.signature.input_arg]
+        rets = [body.ret[a.name] for a in body.signature.output_arg]
+        for cond in [n for n in body.node_def if n.op in ("If", "StatelessIf")]:
+            # The loop variables this stage's cond produces, as they enter the next tick.
+            carried = {args[j] for j, r in enumerate(rets) if _through_identities(body, r) == cond.name}
+            assert carried, cond.name
+            branch = fdefs[cond.attr["then_branch"].func.name]
+            params = [a.name for a in branch.signature.input_arg]
+            own = {params[p - 1] for p, ref in enumerate(cond.input) if p and _name(ref) in carried}
+            calls = _stage_calls(branch.node_def)
+            assert len(calls) == 1, cond.name
+            assert own & _ancestors(branch, calls[0].name), cond.name
+            checked += 1
+    assert checked == 2 * 2  # two stages, two loops
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(schedule="1f1b"), dict(remat="never"), dict(remat="except_last"), dict(num_micro_batches=1)],
+)
+def test_other_steps_are_built_out(kwargs, monkeypatch):
+    """The loop builds GPipe with every stage re-materialized; the executor the rest."""
+    calls = []
+    original = loop.run
+    monkeypatch.setattr(loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
+    options = {"num_stages": 2, "num_micro_batches": 4, **kwargs}
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), **options)
+    pm.compile(optimizer="sgd", loss=LOSS)
+    x = np.random.RandomState(0).rand(8, 8).astype("float32")
+    pm.train_on_batch(x, np.arange(8) % 3)
+    assert not calls
