@@ -319,8 +319,7 @@ def run(
     if deferred is not None:
         for s, fn in enumerate(fns):
             pooled = moments[s].expand(state["moments", s])
-            key = (True, bool(cells[s].batch_norms))
-            for bn, sums in zip(fn._deferred_layers.get(key, []), pooled):
+            for bn, sums in zip(fn.pooled_layers(True), pooled):
                 deferred.add_sums(bn, sums)
     with tf.device(cells[-1].device), tf.name_scope("loss"):
         grads = batch_loss(outputs, out_masks)

@@ -299,6 +299,10 @@ class StageFunctions:
         outputs, out_mask, losses, before, moments = concrete.structured_outputs
         return outputs, out_mask, list(losses), list(before), list(moments)
 
+    def pooled_layers(self, training: Any = True) -> list[Any]:
+        """The BatchNormalization layers whose moments a deferring forward returns, in order."""
+        return list(self._deferred_layers.get((training, True), []))
+
     def _forward_body(self, inputs, mask, side, nonempty, training, defer):
         self.traces["forward"] += 1
         cell, key = self.cell, (training, defer)
