@@ -71,13 +71,6 @@ def applies(
     return all(t is None or isinstance(t, tf.Tensor) for t in leaves)
 
 
-def _relaxed(t: Any) -> Any:
-    """``t`` with a leading dimension of unknown size."""
-    if not isinstance(t, tf.Tensor) or t.shape.rank in (None, 0) or t.shape[0] is None:
-        return t
-    return tf.compat.v1.placeholder_with_default(t, [None, *t.shape.as_list()[1:]])
-
-
 def _relaxed_spec(spec: tf.TensorSpec) -> tf.TensorSpec:
     if spec.shape.rank in (None, 0):
         return spec
@@ -152,14 +145,14 @@ def _write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) ->
     return [a.write(m, v) for a, v in zip(arrays, values)]
 
 
-def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], batched: Sequence[str]) -> None:
+def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], specs: dict) -> None:
     """Run ``tick(t)`` for ``t`` in ``range(ticks)`` as a ``tf.while_loop`` whose loop
     variables are everything in ``state`` (lists of tensors and TensorArrays), updated
-    in place. The ``batched`` entries enter with a leading dimension of unknown size."""
+    in place. The entries of ``specs`` (key: a ``_Layout``) enter with its shapes, which
+    may leave sizes unknown that the stand-ins they start as have."""
     keys = sorted(state, key=repr)
-    for k in keys:
-        if k[0] in batched:
-            state[k] = [_relaxed(v) for v in state[k]]
+    for k, layout in specs.items():
+        state[k] = [tf.compat.v1.placeholder_with_default(v, sp.shape) for v, sp in zip(state[k], layout.specs)]
     lengths = [len(state[k]) for k in keys]
 
     def unpack(values):
@@ -300,7 +293,7 @@ def run(
             forward(s, t)
 
     with tf.name_scope("gpipe_forward"):
-        _loop(state, T, forward_tick, batched=("out",) if relax else ())
+        _loop(state, T, forward_tick, {("out", s): outs[s] for s in range(S)})
 
     # ------------------------------------------- every forward is done: the batch's loss
     outputs, out_masks, cell_losses = [], [], []
@@ -440,7 +433,7 @@ def run(
             backward(s, t)
 
     with tf.name_scope("gpipe_backward"):
-        _loop(state, T, backward_tick, batched=("grad",) if relax else ())
+        _loop(state, T, backward_tick, {("grad", s): in_grads_of[s] for s in range(1, S)})
 
     totals: dict[int, Any] = {}
     for s in range(S):

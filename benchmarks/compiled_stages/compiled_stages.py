@@ -12,6 +12,12 @@ on a token embedding, Adam. Three measurements (``--mode``):
   ``--repeats`` times, median.
 * ``accum``: a steady step of ``PipelineModel(K=4, M=16)`` against a ``keras.Sequential`` whose
   ``train_step`` sums the gradients of the same 16 micro-batches and applies them once.
+* ``loop``: a steady step of ``PipelineModel(K=4, M=--accum_m, remat="always")`` built as GPipe's
+  loops over clock ticks (``tf_gpipe.loop``) against the same step built out (one call per
+  (stage, micro-batch), as before the loop), alternated A/B in one process.
+
+``--first_builders=loop,built_out`` measures the first step both ways (the loop applies to
+GPipe with every stage re-materialized, ``remat="always"`` here, and M >= 2).
 
 On a CPU the K stages sit on K logical CPUs (placement, not speed-up); with ``--gpu`` the GPU
 is split into K logical GPUs of ``--gpu_memory_mb``. Results: benchmarks/compiled_stages/README.md.
@@ -30,7 +36,9 @@ import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("mode", ["xla", "first", "accum"], "Measurements to run: xla, first, accum.")
+flags.DEFINE_list("mode", ["xla", "first", "accum"], "Measurements to run: xla, first, accum, loop.")
+flags.DEFINE_list("first_builders", ["loop"], "How the first-step rows build GPipe's step: loop, built_out.")
+flags.DEFINE_bool("gpipe_loop", True, "Internal (child): build GPipe's step as loops over clock ticks.")
 flags.DEFINE_integer("blocks", 8, "Transformer blocks.")
 flags.DEFINE_integer("width", 128, "Model width d.")
 flags.DEFINE_integer("seq", 64, "Sequence length.")
@@ -152,24 +160,26 @@ def measure_xla():
 
 
 def measure_first():
-    runs = {m: [] for m in ["0", *FLAGS.micro_batches]}
+    keys = [("seq", "0")] + [(b, m) for m in FLAGS.micro_batches for b in FLAGS.first_builders]
+    runs: dict = {k: [] for k in keys}
     for _ in range(FLAGS.repeats):
-        for m in runs:
-            results = harness.child(micro_batches=[m])
+        for builder, m in keys:  # builders alternated per M
+            results = harness.child(micro_batches=[m], gpipe_loop=builder != "built_out")
             if not results:
-                raise SystemExit(f"M={m} failed")
-            runs[m] += results
-    first = {m: statistics.median(r["first_s"] for r in rs) for m, rs in runs.items()}
+                raise SystemExit(f"{builder} M={m} failed")
+            runs[builder, m] += results
+    first = {k: statistics.median(r["first_s"] for r in rs) for k, rs in runs.items()}
     rows = []
-    for m, rs in runs.items():
-        name = "keras.Sequential" if m == "0" else f"PipelineModel K={FLAGS.stages} M={m}"
-        vs_m1 = "" if m == "0" else f"{first[m] / first[FLAGS.micro_batches[0]]:.2f}"
+    for (builder, m), rs in runs.items():
+        name = "keras.Sequential" if m == "0" else f"PipelineModel K={FLAGS.stages} M={m} ({builder})"
+        vs_m1 = "" if m == "0" else f"{first[builder, m] / first[builder, FLAGS.micro_batches[0]]:.2f}"
         second = 1e3 * statistics.median(r["second_s"] for r in rs)
-        rows.append([name, f"{first[m]:.1f}", f"{first[m] / first['0']:.2f}", vs_m1, f"{second:.0f}"])
+        ratio = first[builder, m] / first["seq", "0"]
+        rows.append([name, f"{first[builder, m]:.1f}", f"{ratio:.2f}", vs_m1, f"{second:.0f}"])
     title = f"### First train_on_batch (trace + compile + run), jit_compile={FLAGS.jit}"
     headers = f"model|first step (s)|vs Sequential|vs M={FLAGS.micro_batches[0]}|second step (ms)"
     harness.print_table(headers, rows, title)
-    return {("seq:0" if m == "0" else f"pipe:{m}"): rs for m, rs in runs.items()}
+    return {f"{builder}:{m}": rs for (builder, m), rs in runs.items()}
 
 
 def measure_accum():
@@ -187,9 +197,33 @@ def measure_accum():
         return {"times_s": _alternate(dict(zip(names, (pipe, plain))), names[1], title)}
 
 
+def measure_loop():
+    import tensorflow as tf
+
+    from tf_gpipe import loop
+
+    K, M = FLAGS.stages, FLAGS.accum_m
+    devices = _setup_devices(K)
+    models = {}
+    x, y = _data()
+    for name, minimum in (("loop", loop.MIN_MICRO_BATCHES), ("built out", 10**9)):
+        loop.MIN_MICRO_BATCHES = minimum  # read while the step is traced
+        models[f"PipelineModel K={K} M={M} ({name})"] = model = _model("pipe", K, M, devices, remat="always")
+        model.train_on_batch(x, y)
+    names = list(models)
+    models[names[1]].set_weights(models[names[0]].get_weights())
+    title = f"### Steady step, jit_compile={_jit()!r}, remat='always': GPipe's loop vs built out"
+    with tf.device(devices[0]):
+        return {"times_s": _alternate(models, names[1], title)}
+
+
 def main(argv):
     del argv
     if FLAGS.child:  # one first step in a fresh process (a warm process would reuse traces)
+        if not FLAGS.gpipe_loop:
+            from tf_gpipe import loop
+
+            loop.MIN_MICRO_BATCHES = 10**9
         m = int(FLAGS.micro_batches[0])
         devices = _setup_devices(FLAGS.stages)
         model = _model("pipe", FLAGS.stages, m, devices) if m else _model("seq")
@@ -205,7 +239,9 @@ def main(argv):
         results["first"] = measure_first()
     if "accum" in FLAGS.mode:
         results["accum"] = measure_accum()
-    elif "xla" in FLAGS.mode:
+    if "loop" in FLAGS.mode:
+        results["loop"] = measure_loop()
+    if "xla" in FLAGS.mode and not {"accum", "loop"} & set(FLAGS.mode):
         _setup_devices(1)
     if "xla" in FLAGS.mode:
         results["xla"] = measure_xla()
