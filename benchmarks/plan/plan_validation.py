@@ -9,7 +9,8 @@ time per example (benchmarks/serial_device.py's locks), so the logical CPUs beha
 independent devices although they share the cores; the planner profiles those layers
 like any other. All logical CPUs share one allocator, so the measured peak is compared
 with the predicted peak of the whole process on the simulated timeline
-(``predict.process_peak``), not the per-device one. Method and results:
+(``predict.process_peak``), not the per-device one; beside it, as a diagnostic, the most the
+allocator held at the start or end of any ``Work`` host call. Method and results:
 benchmarks/plan/README.md. Never run by the tests.
 """
 
