@@ -224,8 +224,9 @@ def backward(
 
     ``need_weight_grads=False`` gives the input grads only (variable grads ``[]``,
     ``to_sums`` ignored): a split schedule's ``B``; its ``W`` passes
-    ``need_input_grads=False``. Re-materialized, each replays the cell; on a
-    tape (which must then be ``persistent``), each differentiates it.
+    ``need_input_grads=False``. Re-materialized, each replays the cell; taped, each
+    differentiates the forward: with ``tf.gradients`` in a graph (``Record.split``),
+    on its persistent tape when eager.
     """
     from tf_gpipe import stage
 
@@ -287,7 +288,7 @@ def float_positions(flat: list[Any]) -> list[int]:
 
 
 def tape_gradients(
-    tape: tf.GradientTape,
+    tape: tf.GradientTape | None,
     targets: Sequence[Any],
     target_grads: Sequence[tf.Tensor | None],
     flat_in: list[Any],
@@ -298,8 +299,9 @@ def tape_gradients(
     nonempty: Any,
 ) -> tuple[list[tf.Tensor | None], list[tf.Tensor | None]]:
     """``tape``'s gradients of ``targets`` (weighted by ``target_grads``, None = unused)
-    w.r.t. ``sources_in`` and ``variables``: input grads laid out like ``flat_in`` (None
-    for non-float inputs), variable grads zeroed for an empty micro-batch."""
+    w.r.t. ``sources_in`` and ``variables`` (``tf.gradients``' when ``tape`` is None, in a
+    graph): input grads laid out like ``flat_in`` (None for non-float inputs), variable
+    grads zeroed for an empty micro-batch."""
     pairs = [(t, g) for t, g in zip(targets, target_grads) if g is not None and t is not None]
     sources = (list(sources_in) if need_input_grads else []) + list(variables)
     if pairs and sources and tape is None:  # symbolic: the ops' own first-order gradients
