@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from tf_gpipe import keras_compat
@@ -80,6 +81,8 @@ class Record:
     before: list[tf.Tensor] = field(default_factory=list)  # written variables' values, for the replay
     training: bool | None = None
     deferred: bool = False
+    # Taped, for a split schedule, in a graph: each half differentiates with ``tf.gradients``.
+    split: bool = False
 
 
 def forward(
@@ -105,17 +108,25 @@ def forward(
     from tf_gpipe import stage
 
     fns = stage.functions(cell)
+    symbolic = persistent and not tf.executing_eagerly()
     with tf.device(cell.device):
         tape = None
         if remat:
             outputs, out_mask, losses, before = fns.forward(inputs, mask, side, nonempty, training, deferred)
         else:
-            tape = tf.GradientTape(persistent=persistent)
+            # A persistent tape makes TensorFlow differentiate the call through its
+            # higher-order path: every intermediate of the forward becomes an output, and
+            # each gradient call feeds a zero for each (~50 MiB on MobileNet, K = 4). While
+            # building a graph, the call's own (first-order) gradient can be taken twice
+            # with ``tf.gradients`` instead (``Record.split``), so the tape need not persist.
+            tape = tf.GradientTape(persistent=persistent and not symbolic)
             with tape:
                 tape.watch(_float_tensors(inputs))
                 outputs, out_mask, losses, before = fns.forward(
                     inputs, mask, side, nonempty, training, deferred, taped=True
                 )
+            if symbolic:
+                _first_order_twice(outputs, losses, before)
     return Record(
         inputs=inputs,
         mask=mask,
@@ -128,7 +139,37 @@ def forward(
         before=before,
         training=training,
         deferred=deferred is not None,
+        split=symbolic and not remat,
     )
+
+
+_CALLS = ("StatefulPartitionedCall", "PartitionedCall")
+
+
+def _first_order_twice(*structures: Any) -> None:
+    """Let ``tf.gradients`` differentiate the stage call that made ``structures`` twice, first order.
+
+    TensorFlow's gradient of a function call (``_rewrite_forward_and_call_backward``) rewrites
+    the call on first use to also output the intermediates its backward reads. A second
+    ``tf.gradients`` (W after B) then passes a gradient for every output of the rewritten call,
+    and each missing one becomes a zero fed to a backward built for them all: the
+    higher-order cost again. Here the call's gradient function gets only the gradients of the
+    outputs it had when made, as a tape's record of the call passes (the same cached backward
+    for B and W). Uses ``Operation._gradient_function``, which the call's op gets from
+    ``ConcreteFunction._call_flat`` in a graph.
+    """
+    for t in tf.nest.flatten(structures):
+        op = getattr(t, "op", None)
+        grad = getattr(op, "_gradient_function", None)
+        if op is None or op.type not in _CALLS or grad is None or getattr(grad, "_tf_gpipe", False):
+            continue
+        count = len(op.outputs)
+
+        def first_order(call, *doutputs, _grad=grad, _count=count):
+            return _grad(call, *doutputs[:_count])
+
+        first_order._tf_gpipe = True  # type: ignore[attr-defined]
+        op._gradient_function = first_order
 
 
 def _float_tensors(structure: Any) -> list[tf.Tensor]:
@@ -183,8 +224,9 @@ def backward(
 
     ``need_weight_grads=False`` gives the input grads only (variable grads ``[]``,
     ``to_sums`` ignored): a split schedule's ``B``; its ``W`` passes
-    ``need_input_grads=False``. Re-materialized, each replays the cell; on a
-    tape (which must then be ``persistent``), each differentiates it.
+    ``need_input_grads=False``. Re-materialized, each replays the cell; taped, each
+    differentiates the forward: with ``tf.gradients`` in a graph (``Record.split``),
+    on its persistent tape when eager.
     """
     from tf_gpipe import stage
 
@@ -221,7 +263,7 @@ def backward(
     float_pos = float_positions(flat_in)
     with tf.device(cell.device):
         in_grads, var_grads = tape_gradients(
-            record.tape,
+            None if record.split else record.tape,
             list(tf.nest.flatten(record.outputs)) + list(record.losses),
             list(output_grads) + list(loss_grads),
             flat_in,
@@ -246,7 +288,7 @@ def float_positions(flat: list[Any]) -> list[int]:
 
 
 def tape_gradients(
-    tape: tf.GradientTape,
+    tape: tf.GradientTape | None,
     targets: Sequence[Any],
     target_grads: Sequence[tf.Tensor | None],
     flat_in: list[Any],
@@ -257,11 +299,19 @@ def tape_gradients(
     nonempty: Any,
 ) -> tuple[list[tf.Tensor | None], list[tf.Tensor | None]]:
     """``tape``'s gradients of ``targets`` (weighted by ``target_grads``, None = unused)
-    w.r.t. ``sources_in`` and ``variables``: input grads laid out like ``flat_in`` (None
-    for non-float inputs), variable grads zeroed for an empty micro-batch."""
+    w.r.t. ``sources_in`` and ``variables`` (``tf.gradients``' when ``tape`` is None, in a
+    graph): input grads laid out like ``flat_in`` (None for non-float inputs), variable
+    grads zeroed for an empty micro-batch."""
     pairs = [(t, g) for t, g in zip(targets, target_grads) if g is not None and t is not None]
     sources = (list(sources_in) if need_input_grads else []) + list(variables)
-    if pairs and sources:
+    if pairs and sources and tape is None:  # symbolic: the ops' own first-order gradients
+        result = tf.gradients(
+            [t for t, _ in pairs],
+            [keras_compat.backing_variable(v) if isinstance(v, keras.Variable) else v for v in sources],
+            grad_ys=[g for _, g in pairs],
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
+        )
+    elif pairs and sources:
         result = tape.gradient(
             [t for t, _ in pairs],
             sources,

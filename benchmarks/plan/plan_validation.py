@@ -9,7 +9,8 @@ time per example (benchmarks/serial_device.py's locks), so the logical CPUs beha
 independent devices although they share the cores; the planner profiles those layers
 like any other. All logical CPUs share one allocator, so the measured peak is compared
 with the predicted peak of the whole process on the simulated timeline
-(``predict.process_peak``), not the per-device one. Method and results:
+(``predict.process_peak``), not the per-device one; beside it, as a diagnostic, the most the
+allocator held at the start or end of any ``Work`` host call. Method and results:
 benchmarks/plan/README.md. Never run by the tests.
 """
 
@@ -51,6 +52,10 @@ flags.DEFINE_bool("child", False, "Internal: run one model, print RESULT lines."
 flags.DEFINE_string("model", "mlp", "Internal (child): the model.")
 
 MiB = harness.MiB
+# The most the allocator held at the start or end of any Work host call: what the devices hold
+# between layers, without the momentary buffers (a convolution's gradient) that the peak adds
+# when they happen to meet across devices (README, "s18").
+HELD = {"max": 0}
 
 
 def _work_layer():
@@ -86,7 +91,10 @@ def _work_layer():
 
             def host(kind):
                 def work(n, *_):
+                    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
                     sd._hold(device, fixed + per * int(n), kind)
+                    after = tf.config.experimental.get_memory_info("CPU:0")["current"]
+                    HELD["max"] = max(HELD["max"], before, after)
                     return np.float32(0.0)
 
                 return work
@@ -215,6 +223,7 @@ def child() -> None:
         model.train_on_batch(x, y)  # traces
         model.train_on_batch(x, y)
         tf.config.experimental.reset_memory_stats("CPU:0")
+        HELD["max"] = 0
         times = []
         for _ in range(FLAGS.steps):
             t0 = time.perf_counter()
@@ -235,6 +244,7 @@ def child() -> None:
                 predicted_process_MiB=process / MiB,
                 predicted_device_MiB=[b / MiB for b in c.peak_bytes],
                 measured_MiB=peak / MiB,
+                held_MiB=(HELD["max"] - base) / MiB,
                 plan_s=plan_s,
                 report=p.report(limit=8) if c is chosen[0] else "",
                 loadavg=harness.loadavg(),
@@ -279,11 +289,12 @@ def parent() -> None:
                 f"{r['predicted_process_MiB']:.2f}",
                 f"{r['measured_MiB']:.2f}",
                 f"{m:.3f} {verdict(m, FLAGS.memory_tolerance)}",
+                f"{r['held_MiB']:.2f} ({r['held_MiB'] / r['predicted_process_MiB']:.2f})",
                 " / ".join(f"{b:.2f}" for b in r["predicted_device_MiB"]),
             ]
         )
     headers = ["model (* chosen)", "plan", "pred. ms", "meas. ms", "time ratio", "pred. MiB", "meas. MiB"]
-    headers.append("memory ratio")
+    headers += ["memory ratio", "at Work calls MiB (ratio)"]
     print()
     print(harness.md_table(headers + ["pred. MiB per device"], rows))
     print(f"\n- loadavg at end: {harness.loadavg()}")

@@ -21,8 +21,7 @@ runs: its temporaries (:class:`UpdateCost`, measured per optimizer) beside the w
 slots and gradients, when the activations are gone; a device's peak is the larger of the
 two phases. Static bytes include, with gradient sums, the constants the step function
 holds to zero them (one per distinct weight shape and stage). Ignored: the loss, the
-traced graph, allocator fragmentation, the copies between devices, and what a persistent
-tape (a split schedule without remat) costs (benchmarks/plan/README.md).
+traced graph, allocator fragmentation and the copies between devices.
 """
 
 from __future__ import annotations

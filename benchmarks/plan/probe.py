@@ -1,0 +1,152 @@
+"""One configuration of plan_validation's models, measured closely (a diagnostic, not a validation).
+
+Profiles the model once (the profile and the optimizer update's cost are kept in
+``--cache_dir`` and reused), takes the candidate the planner weighed for
+``--schedule --micro_batches --virtual_stages --remat`` on 4 devices (or prices the
+cut ``--balance`` if given), builds it, runs ``--steps`` steps and prints: the
+prediction (process and per device, each stage's bytes), the allocator's peak, the
+largest allocator ``current`` read at the start or end of any ``Work`` host call (what
+the devices hold, without the momentary buffers between calls), the ``Work`` host
+calls per step by device and kind (F forward, R replay, B input gradient, W weight
+gradient), and the process's CPU seconds and wall seconds per step.
+
+    TF_CPU_ALLOCATOR_USE_BFC=true python benchmarks/plan/probe.py --model=cnn \\
+        --schedule=interleaved --micro_batches=4 --virtual_stages=2 --remat=except_last
+
+Method and findings: benchmarks/plan/README.md ("s18"). Never run by the tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pickle
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plan_validation as pv  # after the path: defines the model flags and Work
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("schedule", "interleaved", "Schedule of the candidate.")
+flags.DEFINE_integer("micro_batches", 4, "M of the candidate.")
+flags.DEFINE_integer("virtual_stages", 2, "v of the candidate (1 unless interleaved).")
+flags.DEFINE_string("remat", "except_last", "Remat mode of the candidate.")
+flags.DEFINE_list("balance", [], "A cut to price and measure instead of the planner's.")
+flags.DEFINE_string("cache_dir", "/tmp/tf_gpipe_plan_probe", "Where the profile is kept.")
+MiB = 2**20
+
+
+def main(argv):
+    del argv
+    import serial_device as sd
+
+    sd.configure_threads(inter_op=64, intra_op=2)
+    log = []
+    hold = sd._hold
+
+    def logged_hold(device, ms, kind=""):
+        import tensorflow as tf_
+
+        before = tf_.config.experimental.get_memory_info("CPU:0")["current"]
+        t0 = time.perf_counter()
+        hold(device, ms, kind)
+        after = tf_.config.experimental.get_memory_info("CPU:0")["current"]
+        log.append((t0, time.perf_counter(), device, kind, before, after))
+
+    sd._hold = logged_hold
+    import tf_gpipe
+
+    K = 4
+    tf_gpipe.configure_virtual_cpus(K)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_gpipe.plan import plan_from_profile, predict
+    from tf_gpipe.plan.search import remat_flags
+
+    tf.get_logger().setLevel("ERROR")
+    Work = pv._work_layer()
+    keras.utils.set_random_seed(0)
+    layers = pv._layers(FLAGS.model, Work)
+    devices = [f"/device:CPU:{i}" for i in range(K)]
+    os.makedirs(FLAGS.cache_dir, exist_ok=True)
+    cache = os.path.join(FLAGS.cache_dir, f"{FLAGS.model}_{FLAGS.batch}_{FLAGS.max_micro_batches}.pkl")
+    if os.path.exists(cache):
+        with open(cache, "rb") as f:
+            prof, update = pickle.load(f)
+    else:
+        p = tf_gpipe.plan(layers, None, devices, FLAGS.budget_mib * MiB, FLAGS.batch, optimizer="adam",
+                          max_micro_batches=FLAGS.max_micro_batches, repeats=FLAGS.repeats)  # fmt: skip
+        prof, update = p.profile, p.update
+        with open(cache, "wb") as f:
+            pickle.dump((prof, update), f)
+    p = plan_from_profile(prof, devices, FLAGS.budget_mib * MiB, FLAGS.batch, optimizer_slots=2,
+                          update=update, max_micro_batches=FLAGS.max_micro_batches)  # fmt: skip
+    M, v = FLAGS.micro_batches, FLAGS.virtual_stages
+    matching = [
+        c
+        for c in p.candidates
+        if (c.schedule, c.num_micro_batches, c.virtual_stages, c.remat, c.num_stages)
+        == (FLAGS.schedule, M, v, FLAGS.remat, K)
+    ]
+    if not matching:
+        raise SystemExit("no such candidate: see the plan's report for what it weighed")
+    c = matching[0]
+    schedule = tf_gpipe.schedules.get(c.schedule, K, M, v)
+    flags_ = remat_flags(c.remat, K * v)
+    if FLAGS.balance:
+        balance = [int(b) for b in FLAGS.balance]
+        stages = predict.stage_costs(prof, balance, c.micro_batch_size)
+        step, bubble, _ = predict.step_time(schedule, stages, flags_)
+        peaks = predict.device_memory(schedule, stages, flags_, 2, update)
+        c = dataclasses.replace(
+            c, balance=balance, stages=stages, step_s=step, bubble=bubble, peak_bytes=peaks
+        )
+    process = predict.process_peak(schedule, c.stages, flags_, 2, update=update)
+    print(f"{c.label()} balance={c.balance}: predicted {c.step_s * 1e3:.1f} ms, {process / MiB:.2f} MiB "
+          f"(per device {' / '.join(f'{b / MiB:.2f}' for b in c.peak_bytes)})")  # fmt: skip
+    for i, s in enumerate(c.stages):
+        print(f"  stage {i} device {schedule.device_of(i)}: input {s.input_bytes / MiB:.2f} stash "
+              f"{s.activation_bytes / MiB:.2f} backward {s.backward_bytes / MiB:.2f} MiB")  # fmt: skip
+    p.chosen = c
+    shape = tuple(layers[0].shape[1:])
+    rng = np.random.default_rng(0)
+    with tf.device("CPU:0"):
+        x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
+        y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    model = tf_gpipe.PipelineModel(pv._layers(FLAGS.model, Work), plan=p)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)  # fmt: skip
+    model.train_on_batch(x, y)
+    model.train_on_batch(x, y)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    log.clear()
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(FLAGS.steps):
+        model.train_on_batch(x, y)
+    cpu, wall = (time.process_time() - cpu) / FLAGS.steps, (time.perf_counter() - wall) / FLAGS.steps
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+    held = max(max(r[4], r[5]) for r in log) - base
+    calls = collections.Counter((r[2], r[3]) for r in log)
+    load = os.getloadavg()[0]
+    print(
+        f"measured: peak {peak / MiB:.2f} MiB; at Work calls at most {held / MiB:.2f} MiB; "
+        f"{wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU a step, load {load:.2f}"
+    )
+    print("Work host calls a step (device, kind):", {k: n / FLAGS.steps for k, n in sorted(calls.items())})
+
+
+if __name__ == "__main__":
+    app.run(main)
