@@ -152,7 +152,8 @@ def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], specs: dic
     may leave sizes unknown that the stand-ins they start as have."""
     keys = sorted(state, key=repr)
     for k, layout in specs.items():
-        state[k] = [tf.compat.v1.placeholder_with_default(v, sp.shape) for v, sp in zip(state[k], layout.specs)]
+        shaped = tf.compat.v1.placeholder_with_default
+        state[k] = [shaped(v, spec.shape) for v, spec in zip(state[k], layout.specs)]
     lengths = [len(state[k]) for k in keys]
 
     def unpack(values):
