@@ -167,7 +167,7 @@ def test_zb_h1_step_matches_sequential(remat, M):
     if remat == "always":
         assert halves == [{(False, True)}] + [{(True, False), (False, True)}] * 3
     else:
-        assert halves == [set()] * 4  # differentiated on the (persistent) tape
+        assert halves == [set()] * 4  # differentiated from the taped call, first-order, in B and W
 
 
 def test_schedule_arguments_are_checked_up_front():

@@ -11,7 +11,11 @@ call: ``B`` differentiates w.r.t. the stage input only (what the previous stage 
 for) and keeps the forward's record and the gradient it received; the later ``W``
 differentiates w.r.t. the weights only and adds them to the gradient sums. A
 re-materialized stage replays its forward in both (twice the recomputation of a full
-backward: simple and exact, not free); a stage on a tape keeps it, persistent, until W.
+backward: simple and exact, not free); a stage on a tape keeps its record until W, which
+differentiates the taped call again, first-order (``remat.backward``).
+
+GPipe with every stage re-materialized is built by ``tf_gpipe.loop`` instead: two loops
+over clock ticks, 2K stage-function call sites whatever M.
 """
 
 from __future__ import annotations
