@@ -118,11 +118,21 @@ class _Layout:
             full[i] = v
         return tf.nest.pack_sequence_as(self.structure, full)
 
+    def relaxed(self) -> _Layout:
+        """This layout with a leading dimension of unknown size."""
+        other = _Layout(self.structure)
+        other.specs = [_relaxed_spec(s) for s in self.specs]
+        return other
+
     def spec_structure(self) -> Any:
         return self.expand(self.specs)
 
-    def zeros(self) -> list[tf.Tensor]:
-        return [_zeros(s) for s in self.specs]
+    def zeros(self, relax: bool = False) -> list[tf.Tensor]:
+        return [_zeros(_relaxed_spec(s) if relax else s) for s in self.specs]
+
+    def shaped(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """``values`` (read from a loop variable of unknown leading size) with their specs' shapes."""
+        return [tf.ensure_shape(v, s.shape) for v, s in zip(values, self.specs)]
 
     def arrays(self, size: int) -> list[tf.TensorArray]:
         # Of any leading size, so that an entry can be freed (``free``) once read.
@@ -235,7 +245,7 @@ def run(
         with tf.device(cells[s].device):
             if s > 0:
                 state["in", s] = ins[s].arrays(M + 1)
-            state["out", s] = outs[s].zeros()
+            state["out", s] = outs[s].zeros(relax=True)
             state["kept", s] = kept[s].arrays(M + 1)
             state["added", s] = added[s].arrays(M + 1)
             state["moments", s] = moments[s].zeros()
@@ -244,19 +254,20 @@ def run(
 
     def forward(s: int, t: tf.Tensor) -> None:
         cell = cells[s]
-        m = t - s
-        active = tf.logical_and(m >= 0, m < M)
-        slot = tf.where(active, m, M)
-        current = tf.clip_by_value(m, 0, M - 1)
-        with tf.device(cell.device):
+        with tf.device(cell.device):  # the cond's plumbing too: no tensor of it visits another device
+            m = t - s
+            active = tf.logical_and(m >= 0, m < M)
+            slot = tf.where(active, m, M)
+            current = tf.clip_by_value(m, 0, M - 1)
             if s == 0:
-                x, mask, side = ins[0].expand(ins[0].read(state["in", 0], current))
-            else:  # what stage s - 1 produced at the previous tick
-                x, mask, side = outs[s - 1].expand(state["out", s - 1])
-                state["in", s] = _write(state["in", s], slot, ins[s].compress((x, mask, side)))
+                carried = ins[0].read(state["in", 0], current)
+            else:  # what stage s - 1 produced at the previous tick (none while the pipe fills)
+                carried = state["out", s - 1]
+                state["in", s] = _write(state["in", s], slot, carried)
             previous = state["out", s]
 
             def run_stage():
+                x, mask, side = ins[s].expand(ins[s].shaped(carried))
                 local = None if deferred is None else DeferredStats()
                 rec = remat.forward(
                     cell,
@@ -294,7 +305,7 @@ def run(
             forward(s, t)
 
     with tf.name_scope("gpipe_forward"):
-        _loop(state, T, forward_tick, {("out", s): outs[s] for s in range(S)})
+        _loop(state, T, forward_tick, {("out", s): outs[s].relaxed() for s in range(S)})
 
     # ------------------------------------------- every forward is done: the batch's loss
     outputs, out_masks, cell_losses = [], [], []
@@ -357,21 +368,20 @@ def run(
         with tf.device(cells[s].device):
             state["token", s] = [fns[s].zero_sums()]
             if s > 0:
-                state["grad", s] = in_grads_of[s].zeros()
+                state["grad", s] = in_grads_of[s].zeros(relax=True)
             for i, _, layout in rows[s]:
                 state["rows", s, i] = layout.arrays(M + 1)
 
     def backward(s: int, t: tf.Tensor) -> None:
         cell = cells[s]
-        m = t - (S - 1 - s)
-        active = tf.logical_and(m >= 0, m < M)
-        slot = tf.where(active, m, M)
-        current = tf.clip_by_value(m, 0, M - 1)
-        with tf.device(cell.device):
+        with tf.device(cell.device):  # the cond's plumbing too: no tensor of it visits another device
+            m = t - (S - 1 - s)
+            active = tf.logical_and(m >= 0, m < M)
+            slot = tf.where(active, m, M)
+            current = tf.clip_by_value(m, 0, M - 1)
             stash, saved, token = state["in", s], state["kept", s], state["token", s][0]
             given_arrays = state.get(("given", s))
             upper = None if s == S - 1 else state["grad", s + 1]  # stage s + 1's, of the previous tick
-            previous = state.get(("grad", s), [])
             # Dropped after this backward, as the executor drops each record (the reads
             # below, of this list's version before the write, still see it).
             state["in", s] = ins[s].free(stash, slot)
@@ -381,7 +391,7 @@ def run(
                 if s == S - 1:
                     dy = given.expand(given.read(given_arrays, current))
                 else:
-                    dy = in_grads_of[s + 1].expand(upper)
+                    dy = in_grads_of[s + 1].expand(in_grads_of[s + 1].shaped(upper))
                 x, mask, side = ins[s].expand(ins[s].read(stash, current))
                 before = kept[s].expand(kept[s].read(saved, current))
                 n_losses = len(added[s].positions)
@@ -418,7 +428,9 @@ def run(
                 return grad, new_token, found
 
             def idle():
-                return previous, tf.identity(token), [z for _, _, layout in rows[s] for z in layout.zeros()]
+                # No rows, not the last gradients again: those would stay alive to the end.
+                grad = in_grads_of[s].zeros(relax=True) if s > 0 else []
+                return grad, tf.identity(token), [z for _, _, layout in rows[s] for z in layout.zeros()]
 
             with tf.name_scope(f"stage{s}_backward"):
                 grad, new_token, found = tf.cond(active, run_stage, idle)
@@ -434,7 +446,8 @@ def run(
             backward(s, t)
 
     with tf.name_scope("gpipe_backward"):
-        _loop(state, T, backward_tick, {("grad", s): in_grads_of[s] for s in range(1, S)})
+        # Gradients of an unknown leading size: a stage with no micro-batch left hands on none.
+        _loop(state, T, backward_tick, {("grad", s): in_grads_of[s].relaxed() for s in range(1, S)})
 
     totals: dict[int, Any] = {}
     for s in range(S):
