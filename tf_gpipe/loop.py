@@ -32,7 +32,6 @@ every micro-batch size.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -156,17 +155,8 @@ def _write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) ->
     return [a.write(m, v) for a, v in zip(arrays, values)]
 
 
-def _phases(S: int, M: int) -> list[tuple[int, int, bool]]:
-    """The ticks of one phase as ``(first, last, full)`` ranges: ``full`` where every stage
-    has a micro-batch (no cond needed), else the pipe filling or draining."""
-    T = M + S - 1
-    if M < S:
-        return [(0, T, False)]
-    return [(a, b, full) for a, b, full in ((0, S - 1, False), (S - 1, M, True), (M, T, False)) if b > a]
-
-
-def _loop(state: dict, first: int, last: int, tick: Callable[[tf.Tensor], None], specs: dict) -> None:
-    """Run ``tick(t)`` for ``t`` in ``range(first, last)`` as a ``tf.while_loop`` whose loop
+def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], specs: dict) -> None:
+    """Run ``tick(t)`` for ``t`` in ``range(ticks)`` as a ``tf.while_loop`` whose loop
     variables are everything in ``state`` (lists of tensors and TensorArrays), updated
     in place. The entries of ``specs`` (key: a ``_Layout``) enter with its shapes, which
     may leave sizes unknown that the stand-ins they start as have."""
@@ -186,8 +176,8 @@ def _loop(state: dict, first: int, last: int, tick: Callable[[tf.Tensor], None],
         tick(t)
         return (t + 1, *[v for k in keys for v in state[k]])
 
-    start = (tf.constant(first), *[v for k in keys for v in state[k]])
-    _, *values = tf.while_loop(lambda t, *_: t < last, body, start)
+    start = (tf.constant(0), *[v for k in keys for v in state[k]])
+    _, *values = tf.while_loop(lambda t, *_: t < ticks, body, start)
     unpack(values)
 
 
@@ -203,6 +193,7 @@ def run(
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]]]:
     """Build one GPipe training step; arguments and results as ``executor.run_schedule``'s."""
     S, M = len(cells), len(split)
+    T = M + S - 1
     fns = [stage.functions(c) for c in cells]
     sides = list(sides) if sides is not None else [None] * M
     # Micro-batches of one known size keep it (static shapes trace and run leaner); of
@@ -261,13 +252,13 @@ def run(
     with tf.device(cells[-1].device):
         state["last", S - 1] = outs[-1].arrays(M + 1)
 
-    def forward(s: int, t: tf.Tensor, full: bool) -> None:
+    def forward(s: int, t: tf.Tensor) -> None:
         cell = cells[s]
         with tf.device(cell.device):  # the cond's plumbing too: no tensor of it visits another device
             m = t - s
-            active = None if full else tf.logical_and(m >= 0, m < M)
-            slot = m if full else tf.where(active, m, M)
-            current = m if full else tf.clip_by_value(m, 0, M - 1)
+            active = tf.logical_and(m >= 0, m < M)
+            slot = tf.where(active, m, M)
+            current = tf.clip_by_value(m, 0, M - 1)
             if s == 0:
                 carried = ins[0].read(state["in", 0], current)
             else:  # what stage s - 1 produced at the previous tick (none while the pipe fills)
@@ -300,9 +291,7 @@ def run(
                 return previous, kept[s].zeros(), added[s].zeros(), moments[s].zeros()
 
             with tf.name_scope(f"stage{s}_forward"):
-                # Only while the pipe fills or drains: a cond passes each of the stage's
-                # variables (handles) through plumbing ops of its own on every tick.
-                out, before, losses, found = run_stage() if full else tf.cond(active, run_stage, idle)
+                out, before, losses, found = tf.cond(active, run_stage, idle)
             state["out", s] = list(out)
             state["kept", s] = _write(state["kept", s], slot, before)
             state["added", s] = _write(state["added", s], slot, losses)
@@ -311,14 +300,12 @@ def run(
             if s == S - 1:
                 state["last", s] = _write(state["last", s], slot, state["out", s])
 
-    def forward_tick(t: tf.Tensor, full: bool) -> None:
+    def forward_tick(t: tf.Tensor) -> None:
         for s in reversed(range(S)):  # each stage reads its neighbour's output of the previous tick
-            forward(s, t, full)
+            forward(s, t)
 
     with tf.name_scope("gpipe_forward"):
-        for first, last, full in _phases(S, M):
-            tick = functools.partial(forward_tick, full=full)
-            _loop(state, first, last, tick, {("out", s): outs[s].relaxed() for s in range(S)})
+        _loop(state, T, forward_tick, {("out", s): outs[s].relaxed() for s in range(S)})
 
     # ------------------------------------------- every forward is done: the batch's loss
     outputs, out_masks, cell_losses = [], [], []
@@ -385,13 +372,13 @@ def run(
             for i, _, layout in rows[s]:
                 state["rows", s, i] = layout.arrays(M + 1)
 
-    def backward(s: int, t: tf.Tensor, full: bool) -> None:
+    def backward(s: int, t: tf.Tensor) -> None:
         cell = cells[s]
         with tf.device(cell.device):  # the cond's plumbing too: no tensor of it visits another device
             m = t - (S - 1 - s)
-            active = None if full else tf.logical_and(m >= 0, m < M)
-            slot = m if full else tf.where(active, m, M)
-            current = m if full else tf.clip_by_value(m, 0, M - 1)
+            active = tf.logical_and(m >= 0, m < M)
+            slot = tf.where(active, m, M)
+            current = tf.clip_by_value(m, 0, M - 1)
             stash, saved, token = state["in", s], state["kept", s], state["token", s][0]
             given_arrays = state.get(("given", s))
             upper = None if s == S - 1 else state["grad", s + 1]  # stage s + 1's, of the previous tick
@@ -446,7 +433,7 @@ def run(
                 return grad, tf.identity(token), [z for _, _, layout in rows[s] for z in layout.zeros()]
 
             with tf.name_scope(f"stage{s}_backward"):
-                grad, new_token, found = run_stage() if full else tf.cond(active, run_stage, idle)
+                grad, new_token, found = tf.cond(active, run_stage, idle)
             state["token", s] = [new_token]
             if s > 0:
                 state["grad", s] = list(grad)
@@ -454,15 +441,13 @@ def run(
             for i, _, _ in rows[s]:
                 state["rows", s, i] = _write(state["rows", s, i], slot, [next(it), next(it)])
 
-    def backward_tick(t: tf.Tensor, full: bool) -> None:
+    def backward_tick(t: tf.Tensor) -> None:
         for s in range(S):  # each stage reads its neighbour's gradients of the previous tick
-            backward(s, t, full)
+            backward(s, t)
 
     with tf.name_scope("gpipe_backward"):
         # Gradients of an unknown leading size: a stage with no micro-batch left hands on none.
-        for first, last, full in _phases(S, M):
-            tick = functools.partial(backward_tick, full=full)
-            _loop(state, first, last, tick, {("grad", s): in_grads_of[s].relaxed() for s in range(1, S)})
+        _loop(state, T, backward_tick, {("grad", s): in_grads_of[s].relaxed() for s in range(1, S)})
 
     totals: dict[int, Any] = {}
     for s in range(S):
