@@ -256,17 +256,7 @@ _PLACEMENT = re.compile(r"placer\.cc:\d+\] (\S+): \((\w+)\): (/\S+)\s*$")
 _STAGE_SCOPE = re.compile(r"(?:^|/)stage(\d+)_mb(\d+)(_backward)?/")
 # Inside a stage function's body (one body per stage, called for every micro-batch):
 # "stage1_forward/dense_1/MatMul", "gradient_tape/stage1_replay/dense_1/MatMul/MatMul".
-# Under GPipe's loop over ticks, the calls themselves are "stage1_forward/cond/..." and
-# "stage1_backward/cond/...": one per stage and direction, for every micro-batch.
-_STAGE_BODY = re.compile(r"(?:^|/)stage(\d+)_(forward|replay|backward)/")
-# GPipe's loop over ticks (tf_gpipe.loop) calls each stage under a cond inside a while loop.
-# The handles of the stage's variables enter that cond through a Switch and an Identity the
-# runtime places where the handles came from (the step function's arguments, CPU:0). A
-# resource handle names the variable, it holds no tensor: the variables are read inside the
-# stage function, on the stage's device. Activations enter the cond on the stage's device.
-_HANDLE_PLUMBING = re.compile(
-    r"/cond/(Func/StatefulPartitionedCall/.*/input/_\d+/_\d+|(then|else)/_\d+/input/_\d+)$"
-)
+_STAGE_BODY = re.compile(r"(?:^|/)stage(\d+)_(forward|replay)/")
 
 
 def _parse_sections(log: str):
@@ -330,13 +320,11 @@ def _stage_ops(fit_placement_log, tag, expected_devices):
     assert placements, f"no placement log for {tag!r}; sections: {list(sections)}"
     out = []
     for node, op, device in placements:
-        if _HANDLE_PLUMBING.search(node) and op in ("Switch", "Identity"):
-            continue
         scope = _STAGE_SCOPE.search(node)
         if not scope:
             body = _STAGE_BODY.search(node)
             if body:  # micro-batch None: the body every micro-batch's call runs
-                backward = body.group(2) != "forward" or "gradient" in node
+                backward = body.group(2) == "replay" or "gradient" in node
                 out.append((int(body.group(1)), None, backward, node, op, device))
             continue
         k, m = int(scope.group(1)), int(scope.group(2))
@@ -364,9 +352,7 @@ def test_compute_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, exp
     if tag == "jit":
         assert expected <= calls, sorted(expected - calls)
         return
-    # remat="always" under GPipe: the loop over ticks, one call per stage and direction.
-    looped = {(k, b) for k, m, b, _, op, _ in compute if op.endswith("PartitionedCall") and m is None}
-    assert {(k, b) for k in range(3) for b in (False, True)} <= looped, sorted(looped)
+    assert {(k, m, False) for k in range(3) for m in range(2)} <= calls
     # The function bodies (one per stage and direction) ran their matmuls on the stage's
     # device; remat="always" replays every stage, so each has a replay body too.
     seen_matmul = {(k, b) for k, m, b, _, op, _ in compute if m is None and op in ("MatMul", "_MklMatMul")}

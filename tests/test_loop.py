@@ -38,12 +38,11 @@ def _token_data(n=29):
 
 
 def _fit(make_layers, x, y, use_loop, monkeypatch, **kwargs):
-    monkeypatch.setattr(loop, "MIN_MICRO_BATCHES", 2 if use_loop else 10**9)
     calls = []
     original = loop.run
     monkeypatch.setattr(loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
     keras.utils.set_random_seed(7)
-    pm = tf_gpipe.PipelineModel(make_layers(), num_micro_batches=5, **kwargs)
+    pm = tf_gpipe.PipelineModel(make_layers(), num_micro_batches=5, tick_loop=use_loop, **kwargs)
     pm.compile(optimizer="adam", loss=LOSS)
     # 29 examples in batches of 13: micro-batches of 3 and 2, then a batch of 3 cut
     # into 5 (two of them padded stand-ins that must change nothing).
@@ -71,9 +70,8 @@ def test_loop_gives_the_executors_results(case, monkeypatch):
 
 
 def _step_graph(M, use_loop, monkeypatch):
-    monkeypatch.setattr(loop, "MIN_MICRO_BATCHES", 2 if use_loop else 10**9)
     keras.backend.clear_session()
-    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=M)
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=M, tick_loop=use_loop)
     pm.compile(optimizer="sgd", loss=LOSS)
     pm.build((None, 8))
     pm.optimizer.build(pm.trainable_variables)
@@ -153,12 +151,10 @@ def test_each_stage_call_waits_for_its_previous_call(monkeypatch):
     assert checked == 2 * 2  # two stages, two loops
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [dict(schedule="1f1b"), dict(remat="never"), dict(remat="except_last"), dict(num_micro_batches=1)],
-)
+@pytest.mark.parametrize("kwargs", [dict(), dict(tick_loop=True, num_micro_batches=1)])
 def test_other_steps_are_built_out(kwargs, monkeypatch):
-    """The loop builds GPipe with every stage re-materialized; the executor the rest."""
+    """Without ``tick_loop`` (the default), and at M=1 (nothing to loop over), the executor
+    builds every action."""
     calls = []
     original = loop.run
     monkeypatch.setattr(loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -168,3 +164,21 @@ def test_other_steps_are_built_out(kwargs, monkeypatch):
     x = np.random.RandomState(0).rand(8, 8).astype("float32")
     pm.train_on_batch(x, np.arange(8) % 3)
     assert not calls
+
+
+@pytest.mark.parametrize("kwargs", [dict(schedule="1f1b"), dict(remat="never"), dict(remat="except_last")])
+def test_tick_loop_refuses_other_schedules_and_remat_modes(kwargs):
+    with pytest.raises(ValueError, match="tick_loop=True builds GPipe's step with every stage"):
+        tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, tick_loop=True, **kwargs)
+
+
+def test_tick_loop_survives_the_config_round_trip():
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=4, tick_loop=True)
+    clone = tf_gpipe.PipelineModel.from_config(pm.get_config())
+    assert clone.tick_loop is True
+    assert (
+        tf_gpipe.PipelineModel.from_config(
+            tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2).get_config()
+        ).tick_loop
+        is False
+    )

@@ -117,6 +117,7 @@ def run_schedule(
     cell_loss_grads: Sequence[tf.Tensor] | None = None,
     tracer: Any = None,
     deferred: Any = None,
+    tick_loop: bool = False,
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]]]:
     """Build one training step of ``schedule`` over ``cells``.
 
@@ -133,6 +134,8 @@ def run_schedule(
         tracer: optional ``tf_gpipe.timeline.Recorder`` that marks each span.
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
+        tick_loop: build GPipe with every stage re-materialized as ``tf_gpipe.loop``'s
+            loops over clock ticks where it applies.
 
     Returns:
         ``(outputs per micro-batch, their Keras masks (None where unmasked),
@@ -144,7 +147,7 @@ def run_schedule(
             f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
             f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
         )
-    if loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer):
+    if tick_loop and loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer):
         # GPipe with every stage re-materialized: O(K^2) call sites, not O(K x M).
         return loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
     records: dict[tuple[int, int], remat.Record] = {}

@@ -55,6 +55,7 @@ def get_config(model: Any) -> dict:
         "virtual_stages": model.virtual_stages,
         "deferred_batch_norm": model.deferred_batch_norm,
         "side_inputs": list(model.side_inputs),
+        "tick_loop": model.tick_loop,
     }
     if model._source_model is not None:  # from_model: the graph and where it was cut
         config["source_model"] = keras.saving.serialize_keras_object(model._source_model)

@@ -16,7 +16,7 @@ on a token embedding, Adam. Three measurements (``--mode``):
   loops over clock ticks (``tf_gpipe.loop``) against the same step built out (one call per
   (stage, micro-batch), as before the loop), alternated A/B in one process.
 
-``--first_builders=loop,built_out`` measures the first step both ways (the loop applies to
+``--first_builders=built_out,loop`` measures the first step both ways (``tick_loop=True``:
 GPipe with every stage re-materialized, ``remat="always"`` here, and M >= 2).
 
 On a CPU the K stages sit on K logical CPUs (placement, not speed-up); with ``--gpu`` the GPU
@@ -37,8 +37,10 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("mode", ["xla", "first", "accum"], "Measurements to run: xla, first, accum, loop.")
-flags.DEFINE_list("first_builders", ["loop"], "How the first-step rows build GPipe's step: loop, built_out.")
-flags.DEFINE_bool("gpipe_loop", True, "Internal (child): build GPipe's step as loops over clock ticks.")
+flags.DEFINE_list(
+    "first_builders", ["built_out", "loop"], "How the first-step rows build GPipe's step: built_out, loop."
+)
+flags.DEFINE_bool("gpipe_loop", False, "Internal (child): PipelineModel(tick_loop=True) (M >= 2).")
 flags.DEFINE_integer("blocks", 8, "Transformer blocks.")
 flags.DEFINE_integer("width", 128, "Model width d.")
 flags.DEFINE_integer("seq", 64, "Sequence length.")
@@ -74,7 +76,7 @@ def _setup_devices(k):
     return [d.name for d in tf.config.list_logical_devices("GPU")][:k]
 
 
-def _model(kind, k=1, m=1, devices=None, remat="always", jit=None):
+def _model(kind, k=1, m=1, devices=None, remat="always", jit=None, tick_loop=False):
     """A compiled model on the same seeded layers: "pipe", "seq" or "accum" (plain micro-batching)."""
     import keras
     import numpy as np
@@ -102,7 +104,7 @@ def _model(kind, k=1, m=1, devices=None, remat="always", jit=None):
     layers += [harness.transformer_block(d) for _ in range(FLAGS.blocks)] + [keras.layers.Dense(FLAGS.vocab)]
     if kind == "pipe":
         model = tf_gpipe.PipelineModel(
-            layers, num_stages=k, num_micro_batches=m, devices=devices, remat=remat
+            layers, num_stages=k, num_micro_batches=m, devices=devices, remat=remat, tick_loop=tick_loop
         )
     else:
         model = (Accumulating if kind == "accum" else keras.Sequential)(layers)
@@ -164,7 +166,7 @@ def measure_first():
     runs: dict = {k: [] for k in keys}
     for _ in range(FLAGS.repeats):
         for builder, m in keys:  # builders alternated per M
-            results = harness.child(micro_batches=[m], gpipe_loop=builder != "built_out")
+            results = harness.child(micro_batches=[m], gpipe_loop=builder == "loop")
             if not results:
                 raise SystemExit(f"{builder} M={m} failed")
             runs[builder, m] += results
@@ -200,15 +202,13 @@ def measure_accum():
 def measure_loop():
     import tensorflow as tf
 
-    from tf_gpipe import loop
-
     K, M = FLAGS.stages, FLAGS.accum_m
     devices = _setup_devices(K)
     models = {}
     x, y = _data()
-    for name, minimum in (("loop", loop.MIN_MICRO_BATCHES), ("built out", 10**9)):
-        loop.MIN_MICRO_BATCHES = minimum  # read while the step is traced
-        models[f"PipelineModel K={K} M={M} ({name})"] = model = _model("pipe", K, M, devices, remat="always")
+    for name, tick_loop in (("loop", True), ("built out", False)):
+        label = f"PipelineModel K={K} M={M} ({name})"
+        models[label] = model = _model("pipe", K, M, devices, remat="always", tick_loop=tick_loop)
         model.train_on_batch(x, y)
     names = list(models)
     models[names[1]].set_weights(models[names[0]].get_weights())
@@ -220,13 +220,10 @@ def measure_loop():
 def main(argv):
     del argv
     if FLAGS.child:  # one first step in a fresh process (a warm process would reuse traces)
-        if not FLAGS.gpipe_loop:
-            from tf_gpipe import loop
-
-            loop.MIN_MICRO_BATCHES = 10**9
         m = int(FLAGS.micro_batches[0])
         devices = _setup_devices(FLAGS.stages)
-        model = _model("pipe", FLAGS.stages, m, devices) if m else _model("seq")
+        looped = FLAGS.gpipe_loop and m > 1
+        model = _model("pipe", FLAGS.stages, m, devices, tick_loop=looped) if m else _model("seq")
         x, y = _data()
         start = time.perf_counter()
         model.train_on_batch(x, y)
