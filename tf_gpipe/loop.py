@@ -342,7 +342,10 @@ def run(
     output_grads = given.spec_structure()
     for s in reversed(range(S)):
         x, mask, side = ins[s].spec_structure()
-        lw = [tf.TensorSpec([], loss_weights.dtype)] * len(added[s].positions) if added[s].positions else []
+        n_losses = len(added[s].positions)
+        lw = []
+        if n_losses and loss_weights is not None:
+            lw = [tf.TensorSpec([], loss_weights.dtype)] * n_losses
         in_grads, (_, found) = fns[s].backward_outputs(
             x,
             mask,

@@ -311,7 +311,7 @@ def tape_gradients(
             grad_ys=[g for _, g in pairs],
             unconnected_gradients=tf.UnconnectedGradients.NONE,
         )
-    elif pairs and sources:
+    elif pairs and sources and tape is not None:
         result = tape.gradient(
             [t for t, _ in pairs],
             sources,

@@ -380,24 +380,10 @@ class StageFunctions:
             marker, label, fn = (recorder, device), tf.constant("replayed " + tag), self._backward_marked
         if to_sums:  # made before the trace, which captures them (passing them costs more)
             self.sums(self.cell.trainable_variables)
+        args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
+        tail = (need_input_grads, marker, label, to_sums, need_weight_grads, after if to_sums else None)
         with tf.device(self.cell.device):
-            in_grads, var_grads = fn(
-                inputs,
-                mask,
-                side,
-                list(before),
-                list(output_grads),
-                list(loss_grads),
-                nonempty,
-                training,
-                defer,
-                need_input_grads,
-                marker,
-                label,
-                bool(to_sums),
-                bool(need_weight_grads),
-                after if to_sums else None,
-            )
+            in_grads, var_grads = fn(*_backward_args(*args, *tail))
         if to_sums:
             token, rows = var_grads
             return list(in_grads), (token, self._rows_in(rows))
@@ -422,22 +408,10 @@ class StageFunctions:
         ``(input grads, (token, rows))``, rows as ``(values, indices)`` pairs or None."""
         defer = bool(deferred) and bool(training) and bool(self.cell.batch_norms)
         self.sums(self.cell.trainable_variables)
+        args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
+        # Exactly the arguments ``backward`` passes with ``to_sums``: the call then reuses the trace.
         concrete = self._backward.get_concrete_function(
-            inputs,
-            mask,
-            side,
-            list(before),
-            list(output_grads),
-            list(loss_grads),
-            nonempty,
-            training,
-            defer,
-            need_input_grads,
-            None,
-            None,
-            True,
-            True,
-            after,
+            *_backward_args(*args, need_input_grads, None, None, True, True, after)
         )
         in_grads, (token, rows) = concrete.structured_outputs
         return list(in_grads), (token, list(rows))
@@ -510,6 +484,17 @@ class StageFunctions:
             if not to_sums:
                 return in_grads, var_grads
             return in_grads, self._add_grads(var_grads)
+
+
+def _backward_args(
+    inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer,
+    need_input_grads, marker, label, to_sums, need_weight_grads, after,
+) -> tuple:  # fmt: skip
+    """The backward function's arguments, in its order, as ``backward`` normalizes them."""
+    return (
+        inputs, mask, side, list(before), list(output_grads), list(loss_grads), nonempty, training,
+        defer, need_input_grads, marker, label, bool(to_sums), bool(need_weight_grads), after,
+    )  # fmt: skip
 
 
 def _ready(ops: list[Any]) -> tf.Tensor:
