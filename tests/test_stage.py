@@ -56,8 +56,7 @@ def test_stage_traced_at_most_twice_and_not_per_micro_batch(schedule):
     halves = 2 if schedule == "zb-h1" else 1
     for per_stage in counts[8]:
         assert 1 <= per_stage["forward"] <= 2 and 1 <= per_stage["backward"] <= 2 * halves, counts
-    # No more than M=3's (with GPipe's loop over ticks at M=8, one trace serves every size).
-    assert all(a[k] <= b[k] for a, b in zip(counts[8], counts[3]) for k in a), counts
+    assert counts[8] == counts[3]
 
 
 def test_remat_never_traced_once_per_signature():

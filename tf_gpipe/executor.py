@@ -25,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import loop, remat, stage
+from tf_gpipe import remat, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
@@ -147,9 +147,12 @@ def run_schedule(
             f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
             f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
         )
-    if tick_loop and loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer):
-        # GPipe with every stage re-materialized: O(K^2) call sites, not O(K x M).
-        return loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
+    if tick_loop:
+        from tf_gpipe import loop  # imported here: it builds on this module's helpers
+
+        if loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer):
+            # GPipe with every stage re-materialized: 2K call sites, not O(K x M).
+            return loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
     records: dict[tuple[int, int], remat.Record] = {}
     grads_in: dict[tuple[int, int], list[tf.Tensor | None]] = {}
     outputs: list[Any] = [None] * M

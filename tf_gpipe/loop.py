@@ -40,6 +40,7 @@ import tensorflow as tf
 from tf_gpipe import remat, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
+from tf_gpipe.executor import _after, _done
 from tf_gpipe.microbatch import Split
 
 __all__ = ["MIN_MICRO_BATCHES", "applies", "run"]
@@ -86,15 +87,6 @@ def _zeros(spec: tf.TensorSpec) -> tf.Tensor:
     return tf.zeros([0 if d is None else d for d in spec.shape.as_list()], spec.dtype)
 
 
-def _after(deps: Sequence[Any], structure: Any) -> Any:
-    """``structure`` re-issued so that its consumers wait for ``deps``."""
-    deps = [tf.identity(d) for d in deps if d is not None]
-    if not deps:
-        return structure
-    with tf.control_dependencies(deps):
-        return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), structure)
-
-
 class _Layout:
     """A nested structure of tensors or specs as a flat list without its Nones, and back."""
 
@@ -120,9 +112,7 @@ class _Layout:
 
     def relaxed(self) -> _Layout:
         """This layout with a leading dimension of unknown size."""
-        other = _Layout(self.structure)
-        other.specs = [_relaxed_spec(s) for s in self.specs]
-        return other
+        return _Layout(self.structure, relax=True)
 
     def spec_structure(self) -> Any:
         return self.expand(self.specs)
@@ -161,8 +151,8 @@ def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], specs: dic
     in place. The entries of ``specs`` (key: a ``_Layout``) enter with its shapes, which
     may leave sizes unknown that the stand-ins they start as have."""
     keys = sorted(state, key=repr)
+    shaped = tf.compat.v1.placeholder_with_default
     for k, layout in specs.items():
-        shaped = tf.compat.v1.placeholder_with_default
         state[k] = [shaped(v, spec.shape) for v, spec in zip(state[k], layout.specs)]
     lengths = [len(state[k]) for k in keys]
 
@@ -271,7 +261,7 @@ def run(
                 local = None if deferred is None else DeferredStats()
                 rec = remat.forward(
                     cell,
-                    _after(previous[:1], x),  # after this stage's previous forward
+                    _after(_done(previous[:1]), x),  # after this stage's previous forward
                     mask,
                     True,
                     remat=True,

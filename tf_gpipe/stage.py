@@ -274,7 +274,7 @@ class StageFunctions:
         value each written variable had, for the replay. BatchNormalization moments
         go into ``deferred`` (a ``batchnorm.DeferredStats``) when it is given.
         """
-        defer = deferred is not None and bool(training) and bool(self.cell.batch_norms)
+        defer = self._defers(deferred, training)
         with tf.device(self.cell.device):
             fn = self._forward_taped if taped else self._forward
             outputs, out_mask, losses, before, moments = fn(inputs, mask, side, nonempty, training, defer)
@@ -294,10 +294,15 @@ class StageFunctions:
         the traced function's symbolic outputs, without calling it: ``(outputs, out_mask,
         losses, before, BatchNormalization moments)``. A later ``forward`` with matching
         arguments reuses the trace. ``deferred`` is only tested for None."""
-        defer = deferred is not None and bool(training) and bool(self.cell.batch_norms)
+        defer = self._defers(deferred, training)
         concrete = self._forward.get_concrete_function(inputs, mask, side, nonempty, training, defer)
         outputs, out_mask, losses, before, moments = concrete.structured_outputs
         return outputs, out_mask, list(losses), list(before), list(moments)
+
+    def _defers(self, deferred: Any, training: Any) -> bool:
+        """Whether a call defers BatchNormalization statistics: ``deferred`` (a
+        ``DeferredStats``, or a flag) is given, the call trains, and the stage has some."""
+        return bool(deferred) and bool(training) and bool(self.cell.batch_norms)
 
     def pooled_layers(self, training: Any = True) -> list[Any]:
         """The BatchNormalization layers whose moments a deferring forward returns, in order."""
@@ -373,7 +378,7 @@ class StageFunctions:
         sums (or of their zeroing), which this call waits for and reads as data.
         """
         to_sums = bool(to_sums) and need_weight_grads
-        defer = bool(deferred) and bool(training) and bool(self.cell.batch_norms)
+        defer = self._defers(deferred, training)
         marker, label, fn = None, None, self._backward
         if tracer is not None:
             recorder, device, tag = tracer
@@ -406,7 +411,7 @@ class StageFunctions:
         """What ``backward(..., to_sums=True)`` returns for these arguments (tensors or
         ``tf.TensorSpec``s), as the traced function's symbolic outputs, without calling it:
         ``(input grads, (token, rows))``, rows as ``(values, indices)`` pairs or None."""
-        defer = bool(deferred) and bool(training) and bool(self.cell.batch_norms)
+        defer = self._defers(deferred, training)
         self.sums(self.cell.trainable_variables)
         args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
         # Exactly the arguments ``backward`` passes with ``to_sums``: the call then reuses the trace.
