@@ -182,3 +182,16 @@ def test_tick_loop_survives_the_config_round_trip():
         ).tick_loop
         is False
     )
+
+
+def test_loops_carry_one_handle_tensor_per_stage(monkeypatch):
+    """Each loop carries a stage's variable handles (weights, gradient sums, seed states)
+    as one stacked tensor, not one loop variable per variable (tf_gpipe.handles): ~7 graph
+    nodes per loop variable once TensorFlow lowers the loop."""
+    graph_def = _step_graph(6, True, monkeypatch)
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    loops = [n for n in nodes if n.op in ("While", "StatelessWhile")]
+    assert len(loops) == 2
+    for n in loops:
+        resources = [t for t in n.attr["T"].list.type if t == tf.resource.as_datatype_enum]
+        assert len(resources) <= 2, (n.name, len(resources))  # two stages: one tensor each

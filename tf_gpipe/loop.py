@@ -37,7 +37,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import remat, stage
+from tf_gpipe import handles, remat, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.executor import _after, _done
@@ -209,12 +209,14 @@ def run(
     kept: list[_Layout] = []  # per stage: the state its forward read
     added: list[_Layout] = []  # per stage: the losses its layers added
     moments: list[_Layout] = []  # per stage: its BatchNormalization moments
+    forward_handles: list[handles.Packed] = []  # per stage: its forward's handles, packed
     ins.append(_Layout((split.chunks[0], masks[0], sides[0]), relax))
     for s in range(S):
         x, mask, side = ins[s].spec_structure()
-        outputs, out_mask, losses, before, sums = fns[s].forward_outputs(
+        outputs, out_mask, losses, before, sums, captured = fns[s].forward_outputs(
             x, mask, side, nonempty_spec(), True, defer
         )
+        forward_handles.append(handles.pack(captured))
         outs.append(_Layout((outputs, out_mask, side), relax))
         kept.append(_Layout(before))
         added.append(_Layout(losses))
@@ -239,6 +241,7 @@ def run(
             state["kept", s] = kept[s].arrays(M + 1)
             state["added", s] = added[s].arrays(M + 1)
             state["moments", s] = moments[s].zeros()
+        state["handles", s] = forward_handles[s].tensors
     with tf.device(cells[-1].device):
         state["last", S - 1] = outs[-1].arrays(M + 1)
 
@@ -255,20 +258,22 @@ def run(
                 carried = state["out", s - 1]
                 state["in", s] = _write(state["in", s], slot, carried)
             previous = state["out", s]
+            packed = state["handles", s]
 
             def run_stage():
                 x, mask, side = ins[s].expand(ins[s].shaped(carried))
                 local = None if deferred is None else DeferredStats()
-                rec = remat.forward(
-                    cell,
-                    _after(_done(previous[:1]), x),  # after this stage's previous forward
-                    mask,
-                    True,
-                    remat=True,
-                    nonempty=nonempty(current),
-                    deferred=local,
-                    side=side,
-                )
+                with handles.replaced(handles.unpack(forward_handles[s], packed)):
+                    rec = remat.forward(
+                        cell,
+                        _after(_done(previous[:1]), x),  # after this stage's previous forward
+                        mask,
+                        True,
+                        remat=True,
+                        nonempty=nonempty(current),
+                        deferred=local,
+                        side=side,
+                    )
                 found = [] if local is None else [t for _, sums in local.sums() for t in sums]
                 return (
                     outs[s].compress((rec.outputs, rec.out_mask, side)),
@@ -322,13 +327,14 @@ def run(
         arrays = given.arrays(M)
         for m in range(M):
             arrays = _write(arrays, m, given.compress(list(grads[m])))
-    for key in [k for k in state if k[0] in ("out", "added", "moments", "last")]:
+    for key in [k for k in state if k[0] in ("out", "added", "moments", "last", "handles")]:
         del state[key]
     state["given", S - 1] = arrays
 
     # ------------------------------------------------------------------ backward phase
     in_grads_of: dict[int, _Layout] = {}  # per stage > 0: its input gradients
     rows: dict[int, list[tuple[int, Any, _Layout]]] = {}  # per stage: (variable index, dense_shape, layout)
+    backward_handles: dict[int, handles.Packed] = {}  # per stage: its backward's handles, packed
     output_grads = given.spec_structure()
     for s in reversed(range(S)):
         x, mask, side = ins[s].spec_structure()
@@ -336,7 +342,7 @@ def run(
         lw = []
         if n_losses and loss_weights is not None:
             lw = [tf.TensorSpec([], loss_weights.dtype)] * n_losses
-        in_grads, (_, found) = fns[s].backward_outputs(
+        in_grads, (_, found), captured = fns[s].backward_outputs(
             x,
             mask,
             side,
@@ -349,6 +355,7 @@ def run(
             s > 0,
             tf.TensorSpec([], tf.bool),
         )
+        backward_handles[s] = handles.pack(captured)
         rows[s] = []
         for i, r in enumerate(found):
             if r is not None:
@@ -360,6 +367,7 @@ def run(
     for s in range(S):
         with tf.device(cells[s].device):
             state["token", s] = [fns[s].zero_sums()]
+            state["handles", s] = backward_handles[s].tensors
             if s > 0:
                 state["grad", s] = in_grads_of[s].zeros(relax=True)
             for i, _, layout in rows[s]:
@@ -374,6 +382,7 @@ def run(
             current = tf.clip_by_value(m, 0, M - 1)
             stash, saved, token = state["in", s], state["kept", s], state["token", s][0]
             given_arrays = state.get(("given", s))
+            packed = state["handles", s]
             upper = None if s == S - 1 else state["grad", s + 1]  # stage s + 1's, of the previous tick
             # Dropped after this backward, as the executor drops each record (the reads
             # below, of this list's version before the write, still see it).
@@ -401,17 +410,18 @@ def run(
                     training=True,
                     deferred=deferred is not None,
                 )
-                in_grads, (new_token, grads) = remat.backward(
-                    cell,
-                    record,
-                    list(dy),
-                    loss_grads,
-                    True,
-                    cell.trainable_variables,
-                    need_input_grads=s > 0,
-                    to_sums=True,
-                    after=token,
-                )
+                with handles.replaced(handles.unpack(backward_handles[s], packed)):
+                    in_grads, (new_token, grads) = remat.backward(
+                        cell,
+                        record,
+                        list(dy),
+                        loss_grads,
+                        True,
+                        cell.trainable_variables,
+                        need_input_grads=s > 0,
+                        to_sums=True,
+                        after=token,
+                    )
                 found = [
                     t
                     for i, _, layout in rows[s]

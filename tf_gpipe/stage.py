@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, remat
+from tf_gpipe import handles, keras_compat, remat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, _attach_mask
 
@@ -277,7 +277,9 @@ class StageFunctions:
         defer = self._defers(deferred, training)
         with tf.device(self.cell.device):
             fn = self._forward_taped if taped else self._forward
-            outputs, out_mask, losses, before, moments = fn(inputs, mask, side, nonempty, training, defer)
+            outputs, out_mask, losses, before, moments = handles.call(
+                fn, inputs, mask, side, nonempty, training, defer
+            )
         if defer:
             for bn, sums in zip(self._deferred_layers[(training, defer)], moments):
                 deferred.add_sums(bn, sums)
@@ -289,15 +291,16 @@ class StageFunctions:
 
     def forward_outputs(
         self, inputs: Any, mask: Any, side: dict | None, nonempty: Any, training: Any, deferred: Any
-    ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor], list[list[tf.Tensor]]]:
+    ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor], list[list[tf.Tensor]], list[tf.Tensor]]:
         """What ``forward`` returns for these arguments (tensors or ``tf.TensorSpec``s), as
         the traced function's symbolic outputs, without calling it: ``(outputs, out_mask,
-        losses, before, BatchNormalization moments)``. A later ``forward`` with matching
-        arguments reuses the trace. ``deferred`` is only tested for None."""
+        losses, before, BatchNormalization moments)``, and the resource handles the trace
+        captures. A later ``forward`` with matching arguments reuses the trace.
+        ``deferred`` is only tested for None."""
         defer = self._defers(deferred, training)
         concrete = self._forward.get_concrete_function(inputs, mask, side, nonempty, training, defer)
         outputs, out_mask, losses, before, moments = concrete.structured_outputs
-        return outputs, out_mask, list(losses), list(before), list(moments)
+        return outputs, out_mask, list(losses), list(before), list(moments), handles.captured(concrete)
 
     def _defers(self, deferred: Any, training: Any) -> bool:
         """Whether a call defers BatchNormalization statistics: ``deferred`` (a
@@ -388,7 +391,7 @@ class StageFunctions:
         args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
         tail = (need_input_grads, marker, label, to_sums, need_weight_grads, after if to_sums else None)
         with tf.device(self.cell.device):
-            in_grads, var_grads = fn(*_backward_args(*args, *tail))
+            in_grads, var_grads = handles.call(fn, *_backward_args(*args, *tail))
         if to_sums:
             token, rows = var_grads
             return list(in_grads), (token, self._rows_in(rows))
@@ -407,10 +410,11 @@ class StageFunctions:
         deferred: bool,
         need_input_grads: bool,
         after: Any,
-    ) -> tuple[list[Any], Any]:
+    ) -> tuple[list[Any], Any, list[tf.Tensor]]:
         """What ``backward(..., to_sums=True)`` returns for these arguments (tensors or
         ``tf.TensorSpec``s), as the traced function's symbolic outputs, without calling it:
-        ``(input grads, (token, rows))``, rows as ``(values, indices)`` pairs or None."""
+        ``(input grads, (token, rows))``, rows as ``(values, indices)`` pairs or None; and
+        the resource handles the trace captures."""
         defer = self._defers(deferred, training)
         self.sums(self.cell.trainable_variables)
         args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
@@ -419,7 +423,7 @@ class StageFunctions:
             *_backward_args(*args, need_input_grads, None, None, True, True, after)
         )
         in_grads, (token, rows) = concrete.structured_outputs
-        return list(in_grads), (token, list(rows))
+        return list(in_grads), (token, list(rows)), handles.captured(concrete)
 
     def _backward_body(
         self,

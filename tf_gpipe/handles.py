@@ -1,0 +1,103 @@
+"""A stage's variable handles as one loop variable per device (``tf_gpipe.loop``).
+
+A stage function captures a resource handle for every variable it reads or writes (its
+weights, their gradient sums, seed-generator states, BatchNormalization statistics). Called
+inside the tick loops, it needs each of them in the ``tf.while_loop`` and in the
+``tf.cond`` around the call: one input each, traced at every level (a placeholder per
+handle per nested graph) and, once TensorFlow lowers the loop to its frame ops, seven graph
+nodes each. With ~130 variables that was ~40% of the loop step's graph and most of what
+its first step cost over the built-out step's with one micro-batch
+(benchmarks/compiled_stages/README.md).
+
+``pack`` stacks the handles of each device into one tensor there, before the loop; inside
+the cond, ``unpack`` splits it again and ``replaced`` makes the stage-function calls in its
+scope (``call``) take those tensors in place of the captured handles. Only CPU devices have
+a ``Pack`` kernel for resource handles, so handles on other devices (GPUs) stay as they
+are: one input each, as before.
+
+``call`` uses TensorFlow's private ``ConcreteFunction._call_flat``, what ``tf.function``
+itself calls with a function's captured inputs; ``tests/test_handles.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+__all__ = ["Packed", "call", "captured", "pack", "replaced", "unpack"]
+
+_local = threading.local()  # replicas trace in threads of their own
+
+
+def _replacements() -> dict[int, tf.Tensor]:
+    if not hasattr(_local, "by_id"):
+        _local.by_id = {}
+    return _local.by_id
+
+
+def captured(concrete: Any) -> list[tf.Tensor]:
+    """The resource handles a traced function (a ``ConcreteFunction``) captures."""
+    return [t for t in concrete.captured_inputs if t.dtype == tf.resource]
+
+
+class Packed:
+    """Handles grouped by device: ``groups[i]`` travels as the tensor ``tensors[i]``."""
+
+    def __init__(self, groups: list[list[tf.Tensor]], tensors: list[tf.Tensor]):
+        self.groups = groups
+        self.tensors = tensors
+
+
+def _packable(device: str) -> bool:
+    return bool(device) and tf.DeviceSpec.from_string(device).device_type == "CPU"
+
+
+def pack(handles: Sequence[tf.Tensor]) -> Packed:
+    """The handles of each CPU device holding two or more, stacked there into one tensor."""
+    by_device: dict[str, list[tf.Tensor]] = {}
+    for h in handles:
+        if _packable(h.device):
+            by_device.setdefault(h.device, []).append(h)
+    groups = [g for g in by_device.values() if len(g) > 1]
+    tensors = []
+    for g in groups:
+        with tf.device(g[0].device):
+            tensors.append(tf.stack(g))
+    return Packed(groups, tensors)
+
+
+def unpack(packed: Packed, tensors: Sequence[tf.Tensor]) -> dict[int, tf.Tensor]:
+    """``{id(handle): its tensor}`` from ``tensors`` (``packed.tensors`` as the loop passed them)."""
+    found: dict[int, tf.Tensor] = {}
+    for group, t in zip(packed.groups, tensors):
+        with tf.device(group[0].device):
+            found.update(zip(map(id, group), tf.unstack(t, num=len(group))))
+    return found
+
+
+@contextlib.contextmanager
+def replaced(by_id: dict[int, tf.Tensor]) -> Iterator[None]:
+    """Within this scope ``call`` passes ``by_id[id(h)]`` for each captured handle ``h`` it holds."""
+    table = _replacements()
+    saved = dict(table)
+    table.update(by_id)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
+
+
+def call(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` (``fn`` a ``tf.function``), with the captured handles ``replaced`` names."""
+    table = _replacements()
+    if not table or not hasattr(fn, "get_concrete_function"):
+        return fn(*args)
+    concrete = fn.get_concrete_function(*args)
+    flat = concrete.function_type.unpack_inputs(concrete.function_type.bind(*args))
+    inputs = [table.get(id(t), t) for t in concrete.captured_inputs]
+    return concrete._call_flat(flat, captured_inputs=inputs)
