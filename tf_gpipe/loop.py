@@ -366,7 +366,7 @@ def run(
             output_grads = in_grads_of[s].spec_structure()
     for s in range(S):
         with tf.device(cells[s].device):
-            state["token", s] = [fns[s].zero_sums()]
+            state["token", s] = [fns[s].zero_sums(inline=True)]
             state["handles", s] = backward_handles[s].tensors
             if s > 0:
                 state["grad", s] = in_grads_of[s].zeros(relax=True)
@@ -462,5 +462,5 @@ def run(
                 totals[id(variables[i])] = tf.IndexedSlices(
                     tf.concat(pairs, 0), tf.concat(indices, 0), dense_shape
                 )
-        totals.update(fns[s].read_sums(state["token", s][0]))
+        totals.update(fns[s].read_sums(state["token", s][0], inline=True))
     return outputs, out_masks, totals, cell_losses

@@ -180,15 +180,19 @@ class StageFunctions:
                     )
         return [self._sums[id(v)] for v in variables]
 
-    def zero_sums(self) -> tf.Tensor:
-        """Set the gradient sums to zero; returns a token that is ready once they are."""
+    def zero_sums(self, inline: bool = False) -> tf.Tensor:
+        """Set the gradient sums to zero; returns a token that is ready once they are.
+
+        ``inline``: the ops go into the caller's graph, not into a function call (the
+        tick loops, whose tokens pass through loop variables, not straight from one call
+        to another: see the comment above)."""
         self.sums(self.cell.trainable_variables)
         with tf.device(self.cell.device):
-            return self._zero()
+            return self._zero_body() if inline else self._zero()
 
-    def read_sums(self, token: tf.Tensor) -> dict[int, tf.Tensor]:
+    def read_sums(self, token: tf.Tensor, inline: bool = False) -> dict[int, tf.Tensor]:
         """``{id(variable): summed dense gradient}`` for the variables that got one, read
-        once ``token`` (the last addition's) is ready."""
+        once ``token`` (the last addition's) is ready; ``inline`` as ``zero_sums``."""
         variables = self.cell.trainable_variables
         dense = [
             (v, s)
@@ -197,7 +201,7 @@ class StageFunctions:
         ]
         # Called even with no dense sums (a stage whose weights all get rows): it reads the token.
         with tf.device(self.cell.device):
-            values = self._read(token, [s for _, s in dense])
+            values = (self._read_body if inline else self._read)(token, [s for _, s in dense])
         return {id(v): t for (v, _), t in zip(dense, values)}
 
     def add_to_sums(
