@@ -22,7 +22,9 @@ last slot). Each stage's calls are chained, forward through its previous output 
 backward through its gradient-sum token, so each device runs its actions in GPipe's
 order, as the executor's control dependencies make it; no tick waits for the others.
 The loops need each stage's output structure before they are built: the stage
-functions are traced (``get_concrete_function``), not called, for it.
+functions are traced (``get_concrete_function``), not called, for it; the trace also
+names the variable handles a call captures, which cross the loop and the cond as one
+stacked tensor per CPU device (``tf_gpipe.handles``), not one loop variable each.
 
 The results are the executor's: the same stage functions on the same micro-batches, the
 gradients summed, and BatchNormalization moments pooled, in the same order. An uneven

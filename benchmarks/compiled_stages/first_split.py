@@ -39,7 +39,9 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
-    "configs", ["built_out:1", "loop:2", "loop:32"], "builder:M pairs (builder: built_out or loop)."
+    "configs",
+    ["built_out:1", "loop:2", "loop:32"],
+    "builder:M pairs (builder: built_out, loop, or loop_unpacked: the loop without tf_gpipe.handles).",
 )
 flags.DEFINE_bool("gc_off", False, "Python's garbage collector off during the first step.")
 flags.DEFINE_string("child_config", "", "Internal: run one configuration and print JSON.")
@@ -67,7 +69,12 @@ def _child(config: str) -> None:
 
     func_graph.func_graph_from_py_func = timed
     devices = cs._setup_devices(FLAGS.stages)
-    model = cs._model("pipe", FLAGS.stages, int(m), devices, remat="always", tick_loop=builder == "loop")
+    if builder == "loop_unpacked":  # the loop as before tf_gpipe.handles: one loop variable per handle
+        from tf_gpipe import handles
+
+        handles.pack = lambda found: handles.Packed([], [])
+    looped = builder in ("loop", "loop_unpacked")
+    model = cs._model("pipe", FLAGS.stages, int(m), devices, remat="always", tick_loop=looped)
     x, y = cs._data()
     if FLAGS.gc_off:
         gc.disable()

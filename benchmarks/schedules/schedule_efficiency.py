@@ -30,6 +30,7 @@ flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of 
 flags.DEFINE_list("m_per_k", [], "Values of M / K (e.g. 1,2,4: M in {K, 2K, 4K}); replaces --micro_batches.")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to run (also: zb-h1).")
 flags.DEFINE_list("remats", ["never", "always"], "remat modes.")
+flags.DEFINE_bool("tick_loop", False, "tick_loop=True for GPipe with remat=always (loops over clock ticks).")
 flags.DEFINE_integer("virtual_stages", 2, "v for the interleaved schedule.")
 flags.DEFINE_float("forward_ms", 10.0, "f: cost of one forward action of one (whole) stage.")
 flags.DEFINE_float("backward_ms", 20.0, "b: cost of one backward action of one (whole) stage.")
@@ -142,7 +143,13 @@ def child() -> None:
             work = [sd.SerialWork(s % K, f / v, b / v, mode=mode, name=f"serial_s{s}") for s in range(K * v)]
         layers = [keras.layers.InputLayer(shape=(4,))] + work
         model = tf_gpipe.PipelineModel(
-            layers, num_stages=K, num_micro_batches=M, remat=remat, schedule=name, virtual_stages=v
+            layers,
+            num_stages=K,
+            num_micro_batches=M,
+            remat=remat,
+            schedule=name,
+            virtual_stages=v,
+            tick_loop=FLAGS.tick_loop and name == "gpipe" and remat == "always",
         )
         model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
         rng = np.random.default_rng(0)
@@ -368,7 +375,7 @@ def parent() -> None:
     t_all = time.perf_counter()
     passthrough = harness.flag_args(
         ("micro_batches", "m_per_k", "schedules", "remats", "virtual_stages", "forward_ms", "backward_ms")
-        + ("weight_ms", "record", "warmup", "steps", "py_function_demo")
+        + ("weight_ms", "record", "warmup", "steps", "py_function_demo", "tick_loop")
     )
     for K in map(int, FLAGS.stages):
         for r in harness.stream_child(__file__, ["--child", f"--k={K}", *passthrough], env):
