@@ -1,6 +1,8 @@
 """GPipe's training step as loops over clock ticks (tf_gpipe.loop): the executor's results,
 2K stage-function call sites whatever M, each stage's calls in GPipe's order."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -69,7 +71,8 @@ def test_loop_gives_the_executors_results(case, monkeypatch):
     assert_all_close(looped.optimizer.variables, built.optimizer.variables, rtol=1e-6, atol=1e-6)
 
 
-def _step_graph(M, use_loop, monkeypatch):
+@functools.cache  # read, never changed: two tests share the M=6 loop graph
+def _step_graph(M, use_loop):
     keras.backend.clear_session()
     pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=M, tick_loop=use_loop)
     pm.compile(optimizer="sgd", loss=LOSS)
@@ -93,12 +96,12 @@ def _count_stage_calls(graph_def):
     return len(_stage_calls(nodes))
 
 
-def test_stage_call_sites_do_not_grow_with_micro_batches(monkeypatch):
+def test_stage_call_sites_do_not_grow_with_micro_batches():
     """K=2: as many stage-function call sites for M=9 as for M=2 (one forward and one
     backward per stage), where the built-out step has one per (stage, micro-batch)."""
-    looped = {M: _count_stage_calls(_step_graph(M, True, monkeypatch)) for M in (2, 9)}
+    looped = {M: _count_stage_calls(_step_graph(M, True)) for M in (2, 9)}
     assert looped[2] == looped[9] == 4, looped
-    built = _count_stage_calls(_step_graph(9, False, monkeypatch))
+    built = _count_stage_calls(_step_graph(9, False))
     assert built == 2 * 2 * 9, built
 
 
@@ -126,12 +129,12 @@ def _ancestors(fdef, name):
     return seen
 
 
-def test_each_stage_call_waits_for_its_previous_call(monkeypatch):
+def test_each_stage_call_waits_for_its_previous_call():
     """In both loops' bodies, every stage's call waits for what the same stage's call
     produced at the previous tick (forward: its outputs; backward: its gradient-sum token),
     so each device runs its actions one after the other in GPipe's order. (Read from the
     graph, not timed: a run would not show a missing link reliably.)"""
-    graph_def = _step_graph(6, True, monkeypatch)
+    graph_def = _step_graph(6, True)
     fdefs = {f.signature.name: f for f in graph_def.library.function}
     checked = 0
     for body in [f for name, f in fdefs.items() if "while_body" in name]:
@@ -184,11 +187,11 @@ def test_tick_loop_survives_the_config_round_trip():
     )
 
 
-def test_loops_carry_one_handle_tensor_per_stage(monkeypatch):
+def test_loops_carry_one_handle_tensor_per_stage():
     """Each loop carries a stage's variable handles (weights, gradient sums, seed states)
     as one stacked tensor, not one loop variable per variable (tf_gpipe.handles): ~7 graph
     nodes per loop variable once TensorFlow lowers the loop."""
-    graph_def = _step_graph(6, True, monkeypatch)
+    graph_def = _step_graph(6, True)
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
     loops = [n for n in nodes if n.op in ("While", "StatelessWhile")]
     assert len(loops) == 2
