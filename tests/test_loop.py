@@ -74,7 +74,11 @@ def test_loop_gives_the_executors_results(case, monkeypatch):
 @functools.cache  # read, never changed: two tests share the M=6 loop graph
 def _step_graph(M, use_loop):
     keras.backend.clear_session()
-    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=M, tick_loop=use_loop)
+    # On logical CPUs even where GPUs are visible: only there are the handles packed.
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=3), num_stages=2, num_micro_batches=M, tick_loop=use_loop, devices=cpus
+    )
     pm.compile(optimizer="sgd", loss=LOSS)
     pm.build((None, 8))
     pm.optimizer.build(pm.trainable_variables)
