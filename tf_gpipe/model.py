@@ -85,7 +85,7 @@ class PipelineModel(keras.Model):
         tick_loop: build ``fit``'s step as two loops over clock ticks (``tf_gpipe.loop``):
             2K stage-function call sites whatever M, so the first step stops growing
             with M (K=4 on a CPU: M=32 0.98-1.22x M=1, built out 2.3x), a steady step as fast
-            as built out on a CPU (0.99 at K=4, M=16), 5-10% less efficient on simulated
+            as built out on a CPU (0.99 at K=4, M=16), 8-13% less efficient on simulated
             serial devices at K=8 (benchmarks/compiled_stages/README.md). On GPUs its
             variable handles cannot be packed (``tf_gpipe.handles``) and it is unmeasured.
             For ``schedule="gpipe"``, ``remat="always"``; M >= 2 and no timeline recorder.
