@@ -23,7 +23,7 @@ setup(
         "absl-py>=2.1,<3",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7"],
         "bench": ["matplotlib>=3.8,<4"],
         "dev": ["ruff==0.17.6", "mypy==2.4.1"],  # as requirements-dev.txt
     },
