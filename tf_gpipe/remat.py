@@ -297,11 +297,14 @@ def tape_gradients(
     variables: Sequence[Any],
     need_input_grads: bool,
     nonempty: Any,
+    gated: bool = False,
 ) -> tuple[list[tf.Tensor | None], list[tf.Tensor | None]]:
     """``tape``'s gradients of ``targets`` (weighted by ``target_grads``, None = unused)
     w.r.t. ``sources_in`` and ``variables`` (``tf.gradients``' when ``tape`` is None, in a
     graph): input grads laid out like ``flat_in`` (None for non-float inputs), variable
-    grads zeroed for an empty micro-batch."""
+    grads zeroed for an empty micro-batch. ``gated`` (``tf.gradients`` only): each op
+    passes on its gradients together (``gate_gradients``), so the chain of input
+    gradients never runs ahead of the weight gradients, which free the activations."""
     pairs = [(t, g) for t, g in zip(targets, target_grads) if g is not None and t is not None]
     sources = (list(sources_in) if need_input_grads else []) + list(variables)
     if pairs and sources and tape is None:  # symbolic: the ops' own first-order gradients
@@ -310,6 +313,7 @@ def tape_gradients(
             [keras_compat.backing_variable(v) if isinstance(v, keras.Variable) else v for v in sources],
             grad_ys=[g for _, g in pairs],
             unconnected_gradients=tf.UnconnectedGradients.NONE,
+            gate_gradients=gated,
         )
     elif pairs and sources and tape is not None:
         result = tape.gradient(
