@@ -224,6 +224,34 @@ def transformer_block(d: int, heads: int = 4):
     return Block()
 
 
+def dense_stack(K: int, M: int, remat: str, depth: int, width: int, batch: int):
+    """The remat-memory model and batch: ``depth`` x Dense(width, relu) + Dense(10), as a
+    ``PipelineModel`` of K stages and M micro-batches (``keras.Sequential`` for K = 0),
+    compiled with SGD (no optimizer slots) and no XLA; a batch of ``batch`` examples on
+    CPU:0. Returns ``(model, x, y)``."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_gpipe
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.InputLayer(shape=(width,))]
+    layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    layers += [keras.layers.Dense(10)]
+    if K > 0:
+        model = tf_gpipe.PipelineModel(layers, num_stages=K, num_micro_batches=M, remat=remat)
+    else:
+        model = keras.Sequential(layers)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss, jit_compile=False)
+    rng = np.random.default_rng(0)
+    with tf.device("CPU:0"):
+        x = tf.constant(rng.standard_normal((batch, width), dtype=np.float32))
+        y = tf.constant(rng.integers(0, 10, batch), dtype=tf.int32)
+    return model, x, y
+
+
 def md_table(headers: str | Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """``headers``: a list, or one string with the headers between ``|``."""
     headers = headers.split("|") if isinstance(headers, str) else headers

@@ -111,25 +111,10 @@ def main(argv) -> None:
     K, M = FLAGS.stages, FLAGS.micro_batches
     if K > 0:
         tf_gpipe.configure_virtual_cpus(K)  # before any TF op
-    import keras
-    import numpy as np
     import tensorflow as tf
 
     harness.header(f"Live at the peak: K={K} M={M} remat={FLAGS.remat}")
-    keras.utils.set_random_seed(0)
-    layers = [keras.layers.InputLayer(shape=(FLAGS.width,))]
-    layers += [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
-    layers += [keras.layers.Dense(10)]
-    if K > 0:
-        model = tf_gpipe.PipelineModel(layers, num_stages=K, num_micro_batches=M, remat=FLAGS.remat)
-    else:
-        model = keras.Sequential(layers)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss, jit_compile=False)
-    rng = np.random.default_rng(0)
-    with tf.device("CPU:0"):
-        x = tf.constant(rng.standard_normal((FLAGS.batch, FLAGS.width), dtype=np.float32))
-        y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
+    model, x, y = harness.dense_stack(K, M, FLAGS.remat, FLAGS.depth, FLAGS.width, FLAGS.batch)
     model.train_on_batch(x, y)  # traces
     base = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tf.config.experimental.reset_memory_stats("CPU:0")

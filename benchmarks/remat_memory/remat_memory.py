@@ -44,29 +44,13 @@ def child() -> None:
     K, M, remat = int(FLAGS.stages[0]), int(FLAGS.micro_batches[0]), FLAGS.remats[0]
     if K > 0:
         tf_gpipe.configure_virtual_cpus(K)  # before any TF op
-    import keras
     import numpy as np
     import tensorflow as tf
 
     tf.get_logger().setLevel("ERROR")
     if not FLAGS.arithmetic_optimization:
         tf.config.optimizer.set_experimental_options({"arithmetic_optimization": False})
-    keras.utils.set_random_seed(0)
-    layers = (
-        [keras.layers.InputLayer(shape=(FLAGS.width,))]
-        + [keras.layers.Dense(FLAGS.width, activation="relu") for _ in range(FLAGS.depth)]
-        + [keras.layers.Dense(10)]
-    )
-    if K > 0:
-        model = tf_gpipe.PipelineModel(layers, num_stages=K, num_micro_batches=M, remat=remat)
-    else:
-        model = keras.Sequential(layers)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss, jit_compile=False)
-    rng = np.random.default_rng(0)
-    with tf.device("CPU:0"):
-        x = tf.constant(rng.standard_normal((FLAGS.batch, FLAGS.width), dtype=np.float32))
-        y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
+    model, x, y = harness.dense_stack(K, M, remat, FLAGS.depth, FLAGS.width, FLAGS.batch)
 
     gc.collect()
     tf_base = tf.config.experimental.get_memory_info("CPU:0")["current"]
