@@ -118,14 +118,15 @@ def main(argv) -> None:
     model.train_on_batch(x, y)  # traces
     base = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tf.config.experimental.reset_memory_stats("CPU:0")
-    logdir = tempfile.mkdtemp(prefix="peak_breakdown_")
     options = tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0)
-    tf.profiler.experimental.start(logdir, options=options)
-    model.train_on_batch(x, y)
-    tf.profiler.experimental.stop()
+    with tempfile.TemporaryDirectory(prefix="peak_breakdown_") as logdir:
+        tf.profiler.experimental.start(logdir, options=options)
+        model.train_on_batch(x, y)
+        tf.profiler.experimental.stop()
+        events = memory_events(logdir)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
 
-    in_use, live, freed_early = at_peak(memory_events(logdir))
+    in_use, live, freed_early = at_peak(events)
     groups: collections.Counter = collections.Counter()
     for size, op, _ in live.values():
         groups[group(op)] += size
