@@ -192,6 +192,7 @@ def run_schedule(
                     deferred=deferred,
                     side=None if sides is None else sides[m],
                     persistent=halves,
+                    input_grads=s > 0,
                 )
             records[(s, m)] = rec
             cell_losses[m].extend(rec.losses)

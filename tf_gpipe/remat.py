@@ -95,6 +95,7 @@ def forward(
     deferred=None,
     side: dict | None = None,
     persistent: bool = False,
+    input_grads: bool = True,
 ) -> Record:
     """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
 
@@ -102,8 +103,9 @@ def forward(
     once. With ``remat`` the intermediate activations are dropped and the
     backward pass replays the cell; without it a tape keeps them (``persistent``
     when a split schedule takes the input and the weight gradients from it in
-    two calls). With ``deferred`` (a ``batchnorm.DeferredStats``)
-    BatchNormalization moments are pooled there instead of moving the statistics now.
+    two calls; ``input_grads``: whether the inputs get gradients from it). With
+    ``deferred`` (a ``batchnorm.DeferredStats``) BatchNormalization moments are pooled
+    there instead of moving the statistics now.
     """
     from tf_gpipe import stage
 
@@ -123,7 +125,7 @@ def forward(
             with tape:
                 tape.watch(_float_tensors(inputs))
                 outputs, out_mask, losses, before = fns.forward(
-                    inputs, mask, side, nonempty, training, deferred, taped=True
+                    inputs, mask, side, nonempty, training, deferred, taped=True, input_grads=input_grads
                 )
             if symbolic:
                 _first_order_twice(outputs, losses, before)

@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import handles, keras_compat, remat
+from tf_gpipe import gated, handles, keras_compat, remat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, _attach_mask
 
@@ -137,7 +137,7 @@ class StageFunctions:
         # gradient is made, as in plain Keras, at the cost of K x M copies of the body
         # in the optimized graph (a slower first step for remat="never").
         self._forward_taped = tf.function(
-            self._forward_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False
+            self._forward_taped_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False
         )
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
         # Timeline markers are host callbacks, which XLA cannot compile.
@@ -149,7 +149,7 @@ class StageFunctions:
         self._zero = tf.function(self._zero_body, jit_compile=False, **options)
         self._read = tf.function(self._read_body, jit_compile=False, **options)
         if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
-            self._forward = self._forward_taped = self._forward_body
+            self._forward, self._forward_taped = self._forward_body, self._forward_taped_body
             self._backward = self._backward_marked = self._backward_body
             self._add, self._zero, self._read = self._add_body, self._zero_body, self._read_body
 
@@ -268,11 +268,13 @@ class StageFunctions:
         training: Any,
         deferred: Any,
         taped: bool = False,
+        input_grads: bool = True,
     ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor]]:
         """Run the stage on one micro-batch, applying its variable updates once.
 
         ``taped``: the caller differentiates this call with a tape (no re-materialization);
-        it then runs as a function the runtime may inline (see ``__init__``).
+        it then runs as a function the runtime may inline (see ``__init__``), with a gated
+        gradient (``tf_gpipe.gated``) that differentiates the float inputs if ``input_grads``.
 
         Returns ``(outputs, out_mask, layer losses, before)``: ``before`` holds the
         value each written variable had, for the replay. BatchNormalization moments
@@ -280,9 +282,10 @@ class StageFunctions:
         """
         defer = self._defers(deferred, training)
         with tf.device(self.cell.device):
+            args: tuple = (inputs, mask, side, nonempty, training, defer)
             fn = self._forward_taped if taped else self._forward
             outputs, out_mask, losses, before, moments = handles.call(
-                fn, inputs, mask, side, nonempty, training, defer
+                fn, *args, *([bool(input_grads)] if taped else [])
             )
         if defer:
             for bn, sums in zip(self._deferred_layers[(training, defer)], moments):
@@ -316,6 +319,14 @@ class StageFunctions:
         return list(self._deferred_layers.get((training, True), []))
 
     def _forward_body(self, inputs, mask, side, nonempty, training, defer):
+        return self._run_forward(inputs, mask, side, nonempty, training, defer, None)
+
+    def _forward_taped_body(self, inputs, mask, side, nonempty, training, defer, input_grads):
+        return self._run_forward(inputs, mask, side, nonempty, training, defer, bool(input_grads))
+
+    def _run_forward(self, inputs, mask, side, nonempty, training, defer, taped_inputs):
+        """``taped_inputs``: None for the forward a replay follows; True or False (whether
+        the float inputs get gradients) for a taped one, whose gradient is gated."""
         self.traces["forward"] += 1
         cell, key = self.cell, (training, defer)
         bns = cell.batch_norms if defer else []
@@ -324,7 +335,13 @@ class StageFunctions:
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"):
             capture = local.capture(bns, nonempty) if bns else contextlib.nullcontext()
             with keras_compat.RecordingScope() as scope, capture:
-                outputs, out_mask = cell.call(inputs, mask, training, side)
+                if taped_inputs is None:
+                    outputs, out_mask = cell.call(inputs, mask, training, side)
+                    losses = list(scope.losses)
+                else:
+                    outputs, out_mask, losses = gated.call(
+                        cell, inputs, mask, training, side, scope, taped_inputs
+                    )
             skipped = local.skipped_variables(bns) if bns else set()
             written = [v for k, v in scope.written.items() if k not in skipped]
             before = [remat._read(v) for v in written]
@@ -336,7 +353,7 @@ class StageFunctions:
             recorded = local.sums() if bns else []
         self._remember(self._written, key, written, "variables it writes")
         self._remember(self._deferred_layers, key, [bn for bn, _ in recorded], "BatchNormalization layers")
-        return outputs, out_mask, list(scope.losses), before, [sums for _, sums in recorded]
+        return outputs, out_mask, losses, before, [sums for _, sums in recorded]
 
     def _remember(self, table: dict, key: Any, found: list, what: str) -> None:
         known = table.get(key)

@@ -1,0 +1,85 @@
+"""A taped stage call whose gradient frees each activation as soon as its layer is done.
+
+A stage that is not re-materialized (``remat="never"``, the last stage of
+``"except_last"``) runs its forward function under the step's tape, and its backward is
+TensorFlow's gradient of that function call: one backward function, built by TensorFlow
+with ``tf.gradients`` ungated. Ungated, the runtime runs the chain of input gradients
+ahead of the weight gradients, and every layer's saved activation and incoming gradient
+wait for a weight gradient that has not run yet: at K=2, M=2 on a 32-layer MLP the step
+held 25 input gradients (8 MiB each) beside the saved activations at its peak
+(benchmarks/remat_memory/README.md, "Update 2026-11-24").
+
+``call`` runs ``Cell.call`` inside a ``tf.custom_gradient`` whose gradient is
+``tf.gradients(..., gate_gradients=True)`` over the same forward ops: each op hands on the
+gradient of its input only once that of its weights is made too, as the re-materialized
+stages' backward (``stage.py``) does. TensorFlow still builds the backward function and
+saves the activations it reads; only the order inside it changes. Only while tracing a
+function: eagerly (``run_eagerly``) ``cell.call`` runs as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tf_gpipe import keras_compat
+from tf_gpipe.cell import Cell
+
+__all__ = ["call"]
+
+
+def call(
+    cell: Cell, inputs: Any, mask: Any, training: Any, side: dict | None, scope: Any, input_grads: bool
+) -> tuple[Any, Any, list[tf.Tensor]]:
+    """``cell.call(inputs, mask, training, side)`` with a gated gradient; returns
+    ``(outputs, out_mask, losses)``, the losses being those ``scope`` (the forward's
+    ``keras_compat.RecordingScope``) collects. ``input_grads``: whether anything
+    differentiates the float inputs (not the first stage's data); without, the gradient
+    computes none, where gating would otherwise keep them alive unused."""
+    if tf.executing_eagerly():
+        outputs, out_mask = cell.call(inputs, mask, training, side)
+        return outputs, out_mask, list(scope.losses)
+    flat_in = tf.nest.flatten(inputs)
+    float_pos = (
+        [i for i, t in enumerate(flat_in) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
+        if input_grads
+        else []
+    )
+    trainable = {id(keras_compat.backing_variable(v)) for v in cell.trainable_variables}
+    meta: dict[str, Any] = {}
+
+    @tf.custom_gradient
+    def run(*xs):
+        graph = tf.compat.v1.get_default_graph()
+        swapped = list(flat_in)
+        for i, t in zip(float_pos, xs):
+            swapped[i] = t
+        outputs, out_mask = cell.call(tf.nest.pack_sequence_as(inputs, swapped), mask, training, side)
+        flat_out = tf.nest.flatten(outputs)
+        meta.update(outputs=outputs, out_mask=out_mask, n_out=len(flat_out))
+        result = list(flat_out) + list(scope.losses)
+
+        def grad(*dys, variables=None):
+            pairs = [(t, g) for t, g in zip(result, dys) if g is not None and t.dtype.is_floating]
+            # The trainable ones, by the handle the forward function captured: what the
+            # forward read. Frozen weights get no gradient, as from Keras' own fit.
+            graded = [v for v in variables or [] if id(v) in trainable]
+            sources = list(xs) + [graph.capture(v.handle) for v in graded]
+            got = [None] * len(sources)
+            if pairs and sources:
+                got = tf.gradients(
+                    [t for t, _ in pairs],
+                    sources,
+                    grad_ys=[g for _, g in pairs],
+                    unconnected_gradients=tf.UnconnectedGradients.NONE,
+                    gate_gradients=True,
+                )
+            by_id = {id(v): g for v, g in zip(graded, got[len(xs) :])}
+            return list(got[: len(xs)]), [by_id.get(id(v)) for v in variables or []]
+
+        return result, grad
+
+    result = run(*[flat_in[i] for i in float_pos])
+    outputs = tf.nest.pack_sequence_as(meta["outputs"], result[: meta["n_out"]])
+    return outputs, meta["out_mask"], list(result[meta["n_out"] :])
