@@ -7,7 +7,7 @@ with ``tf.gradients`` ungated. Ungated, the runtime runs the chain of input grad
 ahead of the weight gradients, and every layer's saved activation and incoming gradient
 wait for a weight gradient that has not run yet: at K=2, M=2 on a 32-layer MLP the step
 held 25 input gradients (8 MiB each) beside the saved activations at its peak
-(benchmarks/remat_memory/README.md, "Update 2026-11-24").
+(benchmarks/remat_memory/README.md, "Update 2026-11-23 (eighth session)").
 
 ``call`` runs ``Cell.call`` inside a ``tf.custom_gradient`` whose gradient is
 ``tf.gradients(..., gate_gradients=True)`` over the same forward ops: each op hands on the

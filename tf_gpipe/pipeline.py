@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import remat
+from tf_gpipe import remat, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -68,17 +68,18 @@ class Pipeline:
                             cell, acts[m], masks[m], training, split.nonempty(m), deferred, side=sides[m]
                         )
                     else:
-                        rec = remat.forward(
-                            cell,
+                        # Training, an enclosing tape may differentiate the call: then the taped
+                        # forward, whose gradient frees each activation once its layer's
+                        # gradients are made (``tf_gpipe.gated``).
+                        acts[m], masks[m], extra, _ = stage.functions(cell).forward(
                             acts[m],
                             masks[m],
+                            sides[m],
+                            split.nonempty(m),
                             training,
-                            remat=True,
-                            nonempty=split.nonempty(m),
-                            deferred=deferred,
-                            side=sides[m],
+                            deferred,
+                            taped=bool(training),
                         )
-                        acts[m], masks[m], extra = rec.outputs, rec.out_mask, rec.losses
                 losses[m].extend(extra)
         if deferred is not None:
             deferred.apply()
