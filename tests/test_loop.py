@@ -202,3 +202,25 @@ def test_loops_carry_one_handle_tensor_per_stage():
     for n in loops:
         resources = [t for t in n.attr["T"].list.type if t == tf.resource.as_datatype_enum]
         assert len(resources) <= 2, (n.name, len(resources))  # two stages: one tensor each
+
+
+def test_no_tick_waits_for_the_other_stages():
+    """What a stage hands on to its next tick depends on its own cond only: no barrier of
+    all stages per tick. In a tf.function TensorFlow makes every output of a loop body wait
+    for every stateful op in it (one NoOp with a control input from each stage's cond), so
+    the loop is built without those dependencies (``loop.independent_stages``, a private
+    TensorFlow flag: this fails if an upgrade ignores it)."""
+    graph_def = _step_graph(6, True)
+    fdefs = {f.signature.name: f for f in graph_def.library.function}
+    checked = 0
+    for body in [f for name, f in fdefs.items() if "while_body" in name]:
+        conds = {n.name for n in body.node_def if n.op in ("If", "StatelessIf")}
+        rets = [body.ret[a.name] for a in body.signature.output_arg]
+        for ref in rets:
+            own = _through_identities(body, ref)
+            if own not in conds:
+                continue
+            others = (conds - {own}) & _ancestors(body, _name(ref))
+            assert not others, (_name(ref), own, others)
+            checked += 1
+    assert checked >= 2 * 2

@@ -34,7 +34,8 @@ every micro-batch size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -155,7 +156,11 @@ def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], specs: dic
     keys = sorted(state, key=repr)
     shaped = tf.compat.v1.placeholder_with_default
     for k, layout in specs.items():
-        state[k] = [shaped(v, spec.shape) for v, spec in zip(state[k], layout.specs)]
+        values = []
+        for v, spec in zip(state[k], layout.specs):
+            with tf.device(v.device):  # where the value is: its loop variable's ops go with it
+                values.append(shaped(v, spec.shape))
+        state[k] = values
     lengths = [len(state[k]) for k in keys]
 
     def unpack(values):
@@ -169,8 +174,34 @@ def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], specs: dic
         return (t + 1, *[v for k in keys for v in state[k]])
 
     start = (tf.constant(0), *[v for k in keys for v in state[k]])
-    _, *values = tf.while_loop(lambda t, *_: t < ticks, body, start)
+    with independent_stages():
+        _, *values = tf.while_loop(lambda t, *_: t < ticks, body, start)
     unpack(values)
+
+
+@contextlib.contextmanager
+def independent_stages() -> Iterator[None]:
+    """Build loops (and conds) whose body has no automatic control dependencies.
+
+    In a ``tf.function`` TensorFlow makes every output of a loop body wait for every
+    stateful op of the body (one NoOp on no device, with a control input from each
+    stage's cond): each tick became a barrier of all K stages, and its control edges
+    crossed every device twice. At K=8, M=32 that doubled the loop step's host cost
+    against the built-out step's (benchmarks/compiled_stages/README.md, "eighth
+    session"). The stages need no such order: each stage's calls are chained through
+    its own data (outputs forward, the gradient-sum token backward). ``while_v2`` and
+    ``cond_v2`` read the flag from the graph they are built in: the private
+    ``FuncGraph._add_control_dependencies`` (``tests/test_loop.py`` checks it)."""
+    graph = tf.compat.v1.get_default_graph()
+    saved = getattr(graph, "_add_control_dependencies", None)
+    if saved is None:  # not a FuncGraph, or a TensorFlow without the flag: nothing to lift
+        yield
+        return
+    graph._add_control_dependencies = False
+    try:
+        yield
+    finally:
+        graph._add_control_dependencies = saved
 
 
 def run(
@@ -257,10 +288,13 @@ def run(
             if s == 0:
                 carried = ins[0].read(state["in", 0], current)
             else:  # what stage s - 1 produced at the previous tick (none while the pipe fills)
-                carried = state["out", s - 1]
+                # Moved here first: a lowered cond switches each input where it lives, and
+                # the predicate would cross to stage s - 1's device every tick.
+                carried = [tf.identity(c) for c in state["out", s - 1]]
                 state["in", s] = _write(state["in", s], slot, carried)
             previous = state["out", s]
             packed = state["handles", s]
+            flag = nonempty(current)  # read here, not inside the cond, for the same reason
 
             def run_stage():
                 x, mask, side = ins[s].expand(ins[s].shaped(carried))
@@ -272,7 +306,7 @@ def run(
                         mask,
                         True,
                         remat=True,
-                        nonempty=nonempty(current),
+                        nonempty=flag,
                         deferred=local,
                         side=side,
                     )
@@ -385,7 +419,11 @@ def run(
             stash, saved, token = state["in", s], state["kept", s], state["token", s][0]
             given_arrays = state.get(("given", s))
             packed = state["handles", s]
-            upper = None if s == S - 1 else state["grad", s + 1]  # stage s + 1's, of the previous tick
+            # Stage s + 1's, of the previous tick, moved here first (see ``forward``).
+            upper = None if s == S - 1 else [tf.identity(g) for g in state["grad", s + 1]]
+            flag = nonempty(current)
+            n_losses = len(added[s].positions)
+            weight = loss_weights[current] if n_losses and loss_weights is not None else None
             # Dropped after this backward, as the executor drops each record (the reads
             # below, of this list's version before the write, still see it).
             state["in", s] = ins[s].free(stash, slot)
@@ -398,15 +436,14 @@ def run(
                     dy = in_grads_of[s + 1].expand(in_grads_of[s + 1].shaped(upper))
                 x, mask, side = ins[s].expand(ins[s].read(stash, current))
                 before = kept[s].expand(kept[s].read(saved, current))
-                n_losses = len(added[s].positions)
-                loss_grads = [loss_weights[current]] * n_losses if n_losses else []
+                loss_grads = [weight] * n_losses if n_losses else []
                 record = remat.Record(
                     inputs=x,
                     mask=mask,
                     outputs=None,
                     out_mask=None,
                     losses=[],
-                    nonempty=nonempty(current),
+                    nonempty=flag,
                     side=side,
                     before=before,
                     training=True,
