@@ -391,7 +391,7 @@ class PipelineModel(keras.Model):
             raise ValueError(f"tf_gpipe: jit_compile must be 'auto', True or False, got {jit_compile!r}.")
         super().compile(*args, jit_compile=False, **kwargs)
         self._jit_compile_arg = jit_compile
-        from tf_gpipe.stage import choose_jit
+        from tf_gpipe.jit import choose_jit
 
         self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
         keras_compat.colocate_optimizer_slots(self.optimizer)

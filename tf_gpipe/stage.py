@@ -17,7 +17,6 @@ so it draws the same dropout masks and changes nothing.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any
 
 import tensorflow as tf
@@ -26,59 +25,7 @@ from tf_gpipe import gated, handles, keras_compat, remat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, _attach_mask
 
-__all__ = ["StageFunctions", "choose_jit", "functions", "stage_supports_jit"]
-
-
-def stage_supports_jit(cell: Cell) -> bool:
-    """Whether every layer of ``cell`` (nested ones included) allows XLA, as Keras asks of a model."""
-    return all(
-        getattr(sub, "supports_jit", True)
-        for layer in cell.layers
-        for sub in keras_compat.nested_layers(layer)
-    )
-
-
-def choose_jit(cells: list[Cell], jit_compile: Any, run_eagerly: bool = False) -> list[bool]:
-    """Decide, stage by stage, what ``compile(jit_compile=...)`` means; set ``cell.jit_compile``.
-
-    ``"auto"``: XLA where Keras would compile a model (a GPU or TPU is visible, every
-    layer allows it, op determinism is off). ``True``: every stage that allows it,
-    with a warning naming the layers of any that does not. ``False``: none.
-    """
-    from tensorflow.python.framework.config import is_op_determinism_enabled
-
-    accelerator = any(d.device_type != "CPU" for d in tf.config.list_physical_devices())
-    deterministic = is_op_determinism_enabled()
-    choices, refused = [], []
-    for cell in cells:
-        allowed = stage_supports_jit(cell) and not deterministic
-        if jit_compile is True and not allowed:
-            refused.append(cell)
-        if run_eagerly or jit_compile is False:
-            choice = False
-        elif jit_compile == "auto":
-            choice = accelerator and allowed
-        else:
-            choice = allowed
-        cell.jit_compile = choice
-        cell.run_eagerly = run_eagerly
-        choices.append(choice)
-    if refused:
-        reasons = []
-        for cell in refused:
-            names = [
-                sub.name
-                for layer in cell.layers
-                for sub in keras_compat.nested_layers(layer)
-                if not getattr(sub, "supports_jit", True)
-            ]
-            reasons.append(f"stage {cell.index}: " + (", ".join(names) or "op determinism is on"))
-        warnings.warn(
-            f"tf_gpipe: jit_compile=True, but some stages cannot use XLA ({'; '.join(reasons)}); "
-            "they run without it, the other stages with it.",
-            stacklevel=3,
-        )
-    return choices
+__all__ = ["StageFunctions", "functions"]
 
 
 def functions(cell: Cell) -> StageFunctions:
