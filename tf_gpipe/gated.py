@@ -16,8 +16,8 @@ gradient of its input only once that of its weights is made too, as the re-mater
 stages' backward (``stage.py``) does. TensorFlow still builds the backward function and
 saves the activations it reads; only the order inside it changes. Only while tracing a
 function: eagerly (``run_eagerly``) ``cell.call`` runs as it is. The cost: gating takes
-some freedom of order from the runtime, about 4-7% of the steady step of a small
-Transformer at K=4, M=16 (benchmarks/compiled_stages/README.md).
+some freedom of order from the runtime, about 3% of the steady step of a small
+Transformer at K=4, M=16 (benchmarks/compiled_stages/README.md, "eighth session").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, remat
 from tf_gpipe.cell import Cell
 
 __all__ = ["call"]
@@ -44,11 +44,7 @@ def call(
         outputs, out_mask = cell.call(inputs, mask, training, side)
         return outputs, out_mask, list(scope.losses)
     flat_in = tf.nest.flatten(inputs)
-    float_pos = (
-        [i for i, t in enumerate(flat_in) if isinstance(t, tf.Tensor) and t.dtype.is_floating]
-        if input_grads
-        else []
-    )
+    float_pos = remat.float_positions(flat_in) if input_grads else []
     trainable = {id(keras_compat.backing_variable(v)) for v in cell.trainable_variables}
     meta: dict[str, Any] = {}
 
@@ -64,7 +60,7 @@ def call(
         result = list(flat_out) + list(scope.losses)
 
         def grad(*dys, variables=None):
-            pairs = [(t, g) for t, g in zip(result, dys) if g is not None and t.dtype.is_floating]
+            pairs = [(result[i], dys[i]) for i in remat.float_positions(result) if dys[i] is not None]
             # The trainable ones, by the handle the forward function captured: what the
             # forward read. Frozen weights get no gradient, as from Keras' own fit.
             graded = [v for v in variables or [] if id(v) in trainable]

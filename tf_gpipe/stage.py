@@ -78,7 +78,8 @@ class StageFunctions:
         options = dict(reduce_retracing=True, autograph=False, experimental_attributes={"_noinline": True})
         self._forward = tf.function(self._forward_body, jit_compile=jit_compile, **options)
         # The forward of a stage that is not re-materialized runs under a tape, and its
-        # gradient is TensorFlow's. As one call, that backward would hold every saved
+        # gradient is TensorFlow's backward of the call (gated inside: ``tf_gpipe.gated``).
+        # As one call, that backward would hold every saved
         # activation until it returns, and its outputs (the stage's weight gradients) on
         # top: ~1.25x plain Keras' peak. Inlined, each activation is freed once its
         # gradient is made, as in plain Keras, at the cost of K x M copies of the body
@@ -229,10 +230,9 @@ class StageFunctions:
         """
         defer = self._defers(deferred, training)
         with tf.device(self.cell.device):
-            args: tuple = (inputs, mask, side, nonempty, training, defer)
-            fn = self._forward_taped if taped else self._forward
+            fn, extra = (self._forward_taped, (bool(input_grads),)) if taped else (self._forward, ())
             outputs, out_mask, losses, before, moments = handles.call(
-                fn, *args, *([bool(input_grads)] if taped else [])
+                fn, inputs, mask, side, nonempty, training, defer, *extra
             )
         if defer:
             for bn, sums in zip(self._deferred_layers[(training, defer)], moments):
@@ -269,7 +269,7 @@ class StageFunctions:
         return self._run_forward(inputs, mask, side, nonempty, training, defer, None)
 
     def _forward_taped_body(self, inputs, mask, side, nonempty, training, defer, input_grads):
-        return self._run_forward(inputs, mask, side, nonempty, training, defer, bool(input_grads))
+        return self._run_forward(inputs, mask, side, nonempty, training, defer, input_grads)
 
     def _run_forward(self, inputs, mask, side, nonempty, training, defer, taped_inputs):
         """``taped_inputs``: None for the forward a replay follows; True or False (whether
