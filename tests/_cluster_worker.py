@@ -36,9 +36,22 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_gpipe  # noqa: E402
-from tf_gpipe import cluster  # noqa: E402
+from tf_gpipe import cluster, loop  # noqa: E402
 
 EXIT_WORKER_FAILED = 3
+
+# Training steps built as GPipe's loops over clock ticks (tf_gpipe.loop, the default for
+# GPipe with remat="always" where every stage is on a CPU, a worker's included).
+LOOP_BUILDS: list[int] = []
+_run_loop = loop.run
+
+
+def _counted_loop_run(*args, **kwargs):
+    LOOP_BUILDS.append(1)
+    return _run_loop(*args, **kwargs)
+
+
+loop.run = _counted_loop_run
 
 
 def make_layers(width: int, depth: int, dropout: bool, seed: int = 7) -> list:
@@ -91,7 +104,9 @@ def equivalence(args) -> dict:
     before = pm.get_weights()
     for model in (pm, seq):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss_fn())
+    built = len(LOOP_BUILDS)
     hist_pm = pm.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history["loss"]
+    loop_builds = len(LOOP_BUILDS) - built
     hist_seq = seq.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history["loss"]
     slots = {v.path: v.value.device for v in pm.optimizer.variables if "dense" in v.path}
     return {
@@ -110,6 +125,7 @@ def equivalence(args) -> dict:
             float(np.max(np.abs(a - b))) for a, b in zip(pm.get_weights(), seq.get_weights())
         ),
         "max_weight_change": max(float(np.max(np.abs(a - b))) for a, b in zip(pm.get_weights(), before)),
+        "loop_builds": loop_builds,
     }
 
 
@@ -129,7 +145,9 @@ def replicated(args) -> dict:
     seq.set_weights(rp.replicas[0].get_weights())
     for model in (rp, seq):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss_fn())
+    built = len(LOOP_BUILDS)
     hist_rp = rp.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+    loop_builds = len(LOOP_BUILDS) - built
     hist_seq = seq.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
     w = [r.get_weights() for r in rp.replicas]
     return {
@@ -139,6 +157,7 @@ def replicated(args) -> dict:
         "max_diff_vs_sequential": max(float(np.max(np.abs(a - b))) for a, b in zip(w[0], seq.get_weights())),
         "loss_replicated": hist_rp,
         "loss_sequential": hist_seq,
+        "loop_builds": loop_builds,
     }
 
 

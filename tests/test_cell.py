@@ -222,9 +222,10 @@ _FIT_SCRIPT = textwrap.dedent(
     x = rng.randn(16, 6).astype("float32")
     y = rng.randn(16, 3).astype("float32")
     result = {}
-    for tag, jit, devices, remat in [
-        ("auto", "auto", ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"], "always"),
-        ("jit", True, ["/device:CPU:2", "/device:CPU:0", "/device:CPU:3"], "except_last"),
+    for tag, jit, devices, remat, tick_loop in [
+        ("auto", "auto", ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"], "always", False),
+        ("jit", True, ["/device:CPU:2", "/device:CPU:0", "/device:CPU:3"], "except_last", "auto"),
+        ("loop", "auto", ["/device:CPU:1", "/device:CPU:3", "/device:CPU:0"], "always", "auto"),
     ]:
         sys.stderr.write("@@BEGIN " + tag + "@@\\n"); sys.stderr.flush()
         layers = [
@@ -234,7 +235,8 @@ _FIT_SCRIPT = textwrap.dedent(
             keras.layers.Dense(3),
         ]
         model = tf_gpipe.PipelineModel(
-            layers, num_stages=3, num_micro_batches=2, devices=devices, remat=remat
+            layers, num_stages=3, num_micro_batches=2, devices=devices, remat=remat,
+            tick_loop=tick_loop,
         )
         model.compile(optimizer="sgd", loss="mse", jit_compile=jit)
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
@@ -371,3 +373,32 @@ def test_all_stage_scope_ops_run_on_stage_devices_during_fit(fit_placement_log, 
         if not _same_device(device, expected_devices[k])
     ]
     assert misplaced == [], misplaced[:20]
+
+
+# The loops over clock ticks (tf_gpipe.loop, the default for GPipe with remat="always" on
+# CPUs): "gpipe_forward/while/stage1_forward/cond/..." around each stage's call, and the
+# function bodies' own "stage1_forward/..." and "stage1_replay/..." scopes.
+_LOOP_SCOPE = re.compile(r"(?:^|/)stage(\d+)_(forward|backward|replay)/")
+
+
+def test_the_loops_run_each_stage_on_its_device_during_fit(fit_placement_log):
+    """Every op in a stage's scope of the loops (its cond, its call) and in its function
+    bodies is placed on the stage's device, and the step calls each stage once per
+    direction (2K call sites), whatever M."""
+    result, sections = fit_placement_log
+    expected_devices = result["loop"]["devices"]
+    assert expected_devices == ["/device:CPU:1", "/device:CPU:3", "/device:CPU:0"]
+    assert result["loop"]["iterations"] == 2
+    ops = []
+    for node, op, device in sections["loop"]:
+        scope = _LOOP_SCOPE.search(node)
+        if scope:
+            ops.append((int(scope.group(1)), scope.group(2), node, op, device))
+    misplaced = [
+        (node, op, device) for k, _, node, op, device in ops if not _same_device(device, expected_devices[k])
+    ]
+    assert misplaced == [], misplaced[:20]
+    calls = sorted((k, d) for k, d, node, op, _ in ops if op.endswith("PartitionedCall"))
+    assert calls == [(k, d) for k in range(3) for d in ("backward", "forward")], calls
+    matmuls = {(k, d) for k, d, _, op, _ in ops if op in ("MatMul", "_MklMatMul")}
+    assert {(k, d) for k in range(3) for d in ("forward", "replay")} <= matmuls, matmuls

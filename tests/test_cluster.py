@@ -194,6 +194,7 @@ def test_stages_on_worker_processes_match_one_process(workers, first_run):
     assert s["max_output_diff"] < 1e-5 and s["max_grad_diff"] < 1e-5, s
     np.testing.assert_allclose(s["loss_pm"], s["loss_seq"], rtol=1e-5)
     assert s["max_weight_diff_after_fit"] < 1e-4 and s["max_weight_change"] > 1e-2, s
+    assert s["loop_builds"] >= 1  # fit's step ran as the loops over clock ticks (the default here)
 
 
 def test_data_x_pipeline_replicas_on_two_workers(first_run):
@@ -205,6 +206,7 @@ def test_data_x_pipeline_replicas_on_two_workers(first_run):
     assert s["max_replica_diff"] == 0.0, s  # the same averaged gradient and update on every copy
     assert s["max_diff_vs_sequential"] < 1e-5, s  # = one model on the 2x larger batch
     np.testing.assert_allclose(s["loss_replicated"], s["loss_sequential"], rtol=1e-5)
+    assert s["loop_builds"] >= 2  # each replica's part of the step ran as the loops
 
 
 def test_data_x_pipeline_in_one_process(cpu_devices):

@@ -158,19 +158,54 @@ def test_each_stage_call_waits_for_its_previous_call():
     assert checked == 2 * 2  # two stages, two loops
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(tick_loop=True, num_micro_batches=1)])
-def test_other_steps_are_built_out(kwargs, monkeypatch):
-    """Without ``tick_loop`` (the default), and at M=1 (nothing to loop over), the executor
-    builds every action."""
+def _uses_loop(monkeypatch, **options):
     calls = []
     original = loop.run
     monkeypatch.setattr(loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
-    options = {"num_stages": 2, "num_micro_batches": 4, **kwargs}
-    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), **options)
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), **{"num_stages": 2, "num_micro_batches": 4, **options})
     pm.compile(optimizer="sgd", loss=LOSS)
     x = np.random.RandomState(0).rand(8, 8).astype("float32")
     pm.train_on_batch(x, np.arange(8) % 3)
-    assert not calls
+    return bool(calls)
+
+
+def test_the_default_loops_on_cpus(cpu_devices, monkeypatch):
+    """``tick_loop="auto"`` (the default) builds GPipe's step as the loops where every
+    stage is on a CPU, logical CPUs included."""
+    assert tf_gpipe.PipelineModel(mlp_layers(depth=3)).tick_loop == "auto"
+    assert _uses_loop(monkeypatch, devices=cpu_devices[:2])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(tick_loop=False),
+        dict(tick_loop=True, num_micro_batches=1),
+        dict(num_micro_batches=1),
+        dict(schedule="1f1b"),
+        dict(remat="except_last"),
+    ],
+)
+def test_other_steps_are_built_out(kwargs, monkeypatch):
+    """With ``tick_loop=False``, at M=1 (nothing to loop over), and for another schedule or
+    remat mode, the executor builds every action."""
+    assert not _uses_loop(monkeypatch, **kwargs)
+
+
+def test_auto_keeps_gpu_stages_built_out():
+    """The loops have never run on a GPU: ``"auto"`` builds them only where every stage is
+    on a CPU (local, logical or a cluster worker's); ``True`` asks for them anywhere."""
+
+    class Stage:
+        def __init__(self, device):
+            self.device = device
+
+    cpu = Stage("/job:localhost/replica:0/task:0/device:CPU:1")
+    worker = Stage("/job:worker/replica:0/task:1/device:CPU:0")
+    gpu = Stage("/job:localhost/replica:0/task:0/device:GPU:0")
+    assert loop.chosen("auto", [cpu, worker])
+    assert not loop.chosen("auto", [cpu, gpu])
+    assert loop.chosen(True, [gpu]) and not loop.chosen(False, [cpu])
 
 
 @pytest.mark.parametrize("kwargs", [dict(schedule="1f1b"), dict(remat="never"), dict(remat="except_last")])
@@ -179,16 +214,16 @@ def test_tick_loop_refuses_other_schedules_and_remat_modes(kwargs):
         tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, tick_loop=True, **kwargs)
 
 
-def test_tick_loop_survives_the_config_round_trip():
-    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=4, tick_loop=True)
-    clone = tf_gpipe.PipelineModel.from_config(pm.get_config())
-    assert clone.tick_loop is True
-    assert (
-        tf_gpipe.PipelineModel.from_config(
-            tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2).get_config()
-        ).tick_loop
-        is False
-    )
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_tick_loop_refuses_other_values(value):
+    with pytest.raises(ValueError, match="tick_loop must be True, False or 'auto'"):
+        tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, tick_loop=value)
+
+
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_tick_loop_survives_the_config_round_trip(value):
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=4, tick_loop=value)
+    assert tf_gpipe.PipelineModel.from_config(pm.get_config()).tick_loop == value
 
 
 def test_loops_carry_one_handle_tensor_per_stage():

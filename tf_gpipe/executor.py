@@ -117,7 +117,7 @@ def run_schedule(
     cell_loss_grads: Sequence[tf.Tensor] | None = None,
     tracer: Any = None,
     deferred: Any = None,
-    tick_loop: bool = False,
+    tick_loop: bool | str = False,
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]]]:
     """Build one training step of ``schedule`` over ``cells``.
 
@@ -135,7 +135,8 @@ def run_schedule(
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
         tick_loop: build GPipe with every stage re-materialized as ``tf_gpipe.loop``'s
-            loops over clock ticks where it applies.
+            loops over clock ticks where it applies: True, False, or "auto" (where every
+            stage is on a CPU; ``loop.chosen``).
 
     Returns:
         ``(outputs per micro-batch, their Keras masks (None where unmasked),
@@ -150,7 +151,9 @@ def run_schedule(
     if tick_loop:
         from tf_gpipe import loop  # imported here: it builds on this module's helpers
 
-        if loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer):
+        if loop.chosen(tick_loop, cells) and loop.applies(
+            schedule, cells, split, masks, rematerializes, sides, tracer
+        ):
             # GPipe with every stage re-materialized: 2K call sites, not O(K x M).
             return loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
     records: dict[tuple[int, int], remat.Record] = {}

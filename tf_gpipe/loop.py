@@ -46,11 +46,23 @@ from tf_gpipe.cell import Cell
 from tf_gpipe.executor import _after, _done
 from tf_gpipe.microbatch import Split
 
-__all__ = ["MIN_MICRO_BATCHES", "applies", "run"]
+__all__ = ["MIN_MICRO_BATCHES", "applies", "chosen", "run"]
 
 # Fewer micro-batches than this and the executor builds every action: at M = 1 nothing
 # is summed, and the loops would only add their machinery.
 MIN_MICRO_BATCHES = 2
+
+
+def chosen(setting: bool | str, cells: Sequence[Cell]) -> bool:
+    """Whether ``PipelineModel(tick_loop=setting)`` asks for the loops on these stages.
+
+    ``"auto"`` asks for them where every stage is on a CPU: the loops have not run on a
+    GPU yet (none was available while they were built), so GPU stages keep the step
+    built out, one call per (stage, micro-batch), unless ``tick_loop=True``.
+    """
+    if setting == "auto":
+        return all(tf.DeviceSpec.from_string(c.device or "").device_type == "CPU" for c in cells)
+    return bool(setting)
 
 
 def applies(

@@ -85,10 +85,13 @@ class PipelineModel(keras.Model):
         tick_loop: build ``fit``'s step as two loops over clock ticks (``tf_gpipe.loop``):
             2K stage-function call sites whatever M, so the first step stops growing
             with M (K=4 on a CPU: M=32 0.98-1.22x M=1, built out 2.3x), a steady step as fast
-            as built out on a CPU (0.99 at K=4, M=16), 8-13% less efficient on simulated
-            serial devices at K=8 (benchmarks/compiled_stages/README.md). On GPUs its
-            variable handles cannot be packed (``tf_gpipe.handles``) and it is unmeasured.
-            For ``schedule="gpipe"``, ``remat="always"``; M >= 2 and no timeline recorder.
+            as built out on a CPU (1.03 at K=4, M=16) and as efficient on simulated serial
+            devices (benchmarks/compiled_stages/README.md). It applies to
+            ``schedule="gpipe"``, ``remat="always"``, M >= 2, dense inputs and no timeline
+            recorder; other steps are built out (one call per stage and micro-batch).
+            ``"auto"`` (the default) builds the loops where they apply and every stage is on
+            a CPU; ``True`` on any device (on GPUs they are unmeasured, and the variable
+            handles cannot be packed: ``tf_gpipe.handles``); ``False`` never.
         plan: a ``tf_gpipe.plan(...)`` result: sets ``num_stages``, ``balance``,
             ``num_micro_batches``, ``remat``, ``schedule``, ``virtual_stages`` and
             ``devices``; any of these also given must agree with it.
@@ -131,7 +134,7 @@ class PipelineModel(keras.Model):
         deferred_batch_norm: bool = True,
         side_inputs: Sequence[str] = (),
         plan: Any = None,
-        tick_loop: bool = False,
+        tick_loop: bool | str = "auto",
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -154,11 +157,13 @@ class PipelineModel(keras.Model):
             )
         if remat not in REMAT_MODES:
             raise ValueError(f"tf_gpipe: unknown remat mode {remat!r}; use one of {list(REMAT_MODES)}.")
-        if tick_loop and (schedule != "gpipe" or remat != "always"):
+        if not (isinstance(tick_loop, bool) or tick_loop == "auto"):
+            raise ValueError(f"tf_gpipe: tick_loop must be True, False or 'auto', got {tick_loop!r}.")
+        if tick_loop is True and (schedule != "gpipe" or remat != "always"):
             raise ValueError(
                 f"tf_gpipe: tick_loop=True builds GPipe's step with every stage re-materialized; "
                 f"got schedule={schedule!r}, remat={remat!r}. Use schedule='gpipe', remat='always', "
-                "or tick_loop=False."
+                "or tick_loop='auto' (the loops where they apply) or False."
             )
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")
@@ -190,7 +195,7 @@ class PipelineModel(keras.Model):
         )
         resolved = resolve_devices(devices, num_stages)
         self.num_micro_batches = num_micro_batches
-        self.tick_loop = bool(tick_loop)
+        self.tick_loop = tick_loop
         self.remat = remat
         self.schedule = schedule
         self.virtual_stages = virtual_stages
