@@ -40,6 +40,7 @@ def test_defaults_are_pipeline_model_defaults():
         "schedule": "gpipe",
         "virtual_stages": 1,
         "deferred_batch_norm": True,
+        "tick_loop": "auto",
     }
     assert fv.virtual_cpus == 0
 
@@ -52,6 +53,13 @@ def test_script_defaults_replace_the_library_defaults():
     # ... and the command line still wins.
     fv = _parse(["--num_micro_batches=16"], defaults={"num_micro_batches": 8})
     assert pipeline_flags.pipeline_kwargs(fv)["num_micro_batches"] == 16
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("true", True), ("false", False)])
+def test_tick_loop_flag(value, expected):
+    assert pipeline_flags.pipeline_kwargs(_parse([f"--tick_loop={value}"]))["tick_loop"] == expected
+    assert pipeline_flags.pipeline_kwargs(_parse(defaults={"tick_loop": expected}))["tick_loop"] == expected
+    assert "--tick_loop" in _error(["--tick_loop=maybe"])
 
 
 def test_defaults_accept_python_lists():
@@ -183,9 +191,11 @@ def test_flags_build_a_model_that_trains():
             "--remat=except_last",
             "--schedule=1f1b",
             "--nodeferred_batch_norm",
+            "--tick_loop=false",
         ]
     )
     model = tf_gpipe.PipelineModel(_layers(), **pipeline_flags.pipeline_kwargs(fv))
+    assert model.tick_loop is False
     settings = (model.num_stages, model.num_micro_batches, model.remat, model.schedule)
     assert settings == (2, 3, "except_last", "1f1b")
     assert model.deferred_batch_norm is False

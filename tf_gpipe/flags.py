@@ -43,6 +43,7 @@ __all__ = [
 BALANCE_METHODS = ("params", "time", "memory")
 _REMAT_MODES = ("always", "except_last", "never")  # tf_gpipe.pipeline.REMAT_MODES
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # tf_gpipe.schedules.SCHEDULES
+_TICK_LOOP = {"auto": "auto", "true": True, "false": False}  # PipelineModel(tick_loop=...)
 
 FLAG_NAMES = (
     "num_stages",
@@ -53,6 +54,7 @@ FLAG_NAMES = (
     "virtual_stages",
     "balance",
     "deferred_batch_norm",
+    "tick_loop",
     "virtual_cpus",
 )
 
@@ -127,10 +129,11 @@ def define_pipeline_flags(
 
     Flags: ``--num_stages``, ``--num_micro_batches``, ``--devices`` (comma list),
     ``--remat``, ``--schedule``, ``--virtual_stages``, ``--balance`` (comma list of
-    layers per stage, or ``params``/``time``/``memory``), ``--deferred_batch_norm``
-    and ``--virtual_cpus`` (logical CPUs to make before TensorFlow starts; 0 = the
-    real devices). Without ``--num_stages``, a ``--balance`` list or ``--devices``
-    gives the number of stages, as in ``PipelineModel``.
+    layers per stage, or ``params``/``time``/``memory``), ``--deferred_batch_norm``,
+    ``--tick_loop`` (``auto``/``true``/``false``) and ``--virtual_cpus`` (logical CPUs
+    to make before TensorFlow starts; 0 = the real devices). Without ``--num_stages``,
+    a ``--balance`` list or ``--devices`` gives the number of stages, as in
+    ``PipelineModel``.
 
     Args:
         flag_values: the ``absl.flags.FlagValues`` to define them in.
@@ -171,9 +174,12 @@ def define_pipeline_flags(
         "virtual_stages": 1,
         "balance": None,
         "deferred_batch_norm": True,
+        "tick_loop": "auto",
         "virtual_cpus": 0,
     }
     d.update(defaults)
+    if isinstance(d["tick_loop"], bool):
+        d["tick_loop"] = str(d["tick_loop"]).lower()
     if isinstance(d["devices"], (list, tuple)):
         d["devices"] = ",".join(d["devices"])
     fv = flag_values
@@ -239,6 +245,15 @@ def define_pipeline_flags(
         d["deferred_batch_norm"],
         "BatchNormalization moves its running statistics once per mini-batch, from the whole "
         "mini-batch's statistics (GPipe); --nodeferred_batch_norm: once per micro-batch.",
+        flag_values=fv,
+    )
+    flags.DEFINE_enum(
+        "tick_loop",
+        d["tick_loop"],
+        list(_TICK_LOOP),
+        "Build GPipe's step (remat=always) as two loops over clock ticks, so the first step does "
+        "not grow with --num_micro_batches: 'auto' where every stage is on a CPU, 'true' on any "
+        "device, 'false' never (one call per stage and micro-batch).",
         flag_values=fv,
     )
     flags.DEFINE_integer(
@@ -323,8 +338,8 @@ def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, An
 
     Returns:
         A dict with ``num_stages``, ``balance``, ``num_micro_batches``,
-        ``devices``, ``remat``, ``schedule``, ``virtual_stages`` and
-        ``deferred_batch_norm``.
+        ``devices``, ``remat``, ``schedule``, ``virtual_stages``,
+        ``deferred_batch_norm`` and ``tick_loop``.
     """
     fv = flag_values
     balance = fv.balance
@@ -341,6 +356,7 @@ def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, An
         "schedule": fv.schedule,
         "virtual_stages": fv.virtual_stages,
         "deferred_batch_norm": fv.deferred_batch_norm,
+        "tick_loop": _TICK_LOOP[fv.tick_loop],
     }
 
 
