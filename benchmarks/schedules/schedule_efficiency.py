@@ -30,7 +30,13 @@ flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of 
 flags.DEFINE_list("m_per_k", [], "Values of M / K (e.g. 1,2,4: M in {K, 2K, 4K}); replaces --micro_batches.")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to run (also: zb-h1).")
 flags.DEFINE_list("remats", ["never", "always"], "remat modes.")
-flags.DEFINE_bool("tick_loop", False, "tick_loop=True for GPipe with remat=always (loops over clock ticks).")
+flags.DEFINE_enum(
+    "tick_loop",
+    "auto",
+    ["auto", "true", "false"],
+    "PipelineModel(tick_loop=...) for GPipe with remat=always: 'auto' (the library's default: "
+    "loops over clock ticks on CPUs), 'true' (the loops), 'false' (built out).",
+)
 flags.DEFINE_integer("virtual_stages", 2, "v for the interleaved schedule.")
 flags.DEFINE_float("forward_ms", 10.0, "f: cost of one forward action of one (whole) stage.")
 flags.DEFINE_float("backward_ms", 20.0, "b: cost of one backward action of one (whole) stage.")
@@ -149,7 +155,9 @@ def child() -> None:
             remat=remat,
             schedule=name,
             virtual_stages=v,
-            tick_loop=FLAGS.tick_loop and name == "gpipe" and remat == "always",
+            tick_loop={"auto": "auto", "true": name == "gpipe" and remat == "always", "false": False}[
+                FLAGS.tick_loop
+            ],
         )
         model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
         rng = np.random.default_rng(0)
