@@ -45,6 +45,7 @@ flags.DEFINE_integer("micro_batches", 4, "M of the candidate.")
 flags.DEFINE_integer("virtual_stages", 2, "v of the candidate (1 unless interleaved).")
 flags.DEFINE_string("remat", "except_last", "Remat mode of the candidate.")
 flags.DEFINE_list("balance", [], "A cut to price and measure instead of the planner's.")
+flags.DEFINE_enum("tick_loop", "auto", ["auto", "true", "false"], "PipelineModel(tick_loop=...).")
 flags.DEFINE_string("cache_dir", "/tmp/tf_gpipe_plan_probe", "Where the profile is kept (probe.py's).")
 flags.DEFINE_string("worker_cluster", "", "Internal: run as a worker of this cluster (JSON).")
 flags.DEFINE_integer("worker_task", -1, "Internal: the worker's task index.")
@@ -203,7 +204,8 @@ def _measure() -> None:
         x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
         y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
         base = [r["current"] for r in workers.ask("reset")]
-        model = tf_gpipe.PipelineModel(layers, plan=p)
+        tick_loop = {"auto": "auto", "true": True, "false": False}[FLAGS.tick_loop]
+        model = tf_gpipe.PipelineModel(layers, plan=p, tick_loop=tick_loop)
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)  # fmt: skip
         for _ in range(2):
