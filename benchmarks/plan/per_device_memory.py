@@ -40,11 +40,7 @@ import plan_validation as pv  # noqa: E402  (after the path: defines the model f
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("schedule", "interleaved", "Schedule of the candidate.")
-flags.DEFINE_integer("micro_batches", 4, "M of the candidate.")
-flags.DEFINE_integer("virtual_stages", 2, "v of the candidate (1 unless interleaved).")
-flags.DEFINE_string("remat", "except_last", "Remat mode of the candidate.")
-flags.DEFINE_list("balance", [], "A cut to price and measure instead of the planner's.")
+pv.define_candidate_flags()
 flags.DEFINE_enum("tick_loop", "auto", ["auto", "true", "false"], "PipelineModel(tick_loop=...).")
 flags.DEFINE_string("cache_dir", "/tmp/tf_gpipe_plan_probe", "Where the profile is kept (probe.py's).")
 flags.DEFINE_string("worker_cluster", "", "Internal: run as a worker of this cluster (JSON).")
@@ -156,7 +152,6 @@ class _Workers:
 
 
 def _measure() -> None:
-    import dataclasses
 
     import keras
     import numpy as np
@@ -164,8 +159,6 @@ def _measure() -> None:
 
     import tf_gpipe
     from tf_gpipe import cluster
-    from tf_gpipe.plan import plan_from_profile, predict
-    from tf_gpipe.plan.search import remat_flags
 
     with open(_cache(), "rb") as f:
         prof, update = pickle.load(f)
@@ -173,30 +166,10 @@ def _measure() -> None:
     try:
         cluster.connect(workers.cluster)
         devices = cluster.worker_devices(K)
-        p = plan_from_profile(prof, devices, FLAGS.budget_mib * MiB, FLAGS.batch, optimizer_slots=2,
-                              update=update, max_micro_batches=FLAGS.max_micro_batches)  # fmt: skip
         M, v = FLAGS.micro_batches, FLAGS.virtual_stages
-        wanted = (FLAGS.schedule, M, v, FLAGS.remat, K)
-        matching = [
-            c
-            for c in p.candidates
-            if (c.schedule, c.num_micro_batches, c.virtual_stages, c.remat, c.num_stages) == wanted
-        ]
-        if not matching:
-            raise SystemExit("no such candidate: see the plan's report for what it weighed")
-        c = matching[0]
-        schedule = tf_gpipe.schedules.get(c.schedule, K, M, v)
-        flags_ = remat_flags(c.remat, K * v)
-        if FLAGS.balance:
-            balance = [int(b) for b in FLAGS.balance]
-            stages = predict.stage_costs(prof, balance, c.micro_batch_size)
-            step, bubble, _ = predict.step_time(schedule, stages, flags_)
-            peaks = predict.device_memory(schedule, stages, flags_, 2, update)
-            c = dataclasses.replace(
-                c, balance=balance, stages=stages, step_s=step, bubble=bubble, peak_bytes=peaks
-            )
-        process = predict.process_peak(schedule, c.stages, flags_, 2, update=update)
-        p.chosen = c
+        p, c, _, _, process = pv.candidate(
+            prof, update, devices, FLAGS.schedule, M, v, FLAGS.remat, FLAGS.balance
+        )
         keras.utils.set_random_seed(0)
         layers = pv._layers(FLAGS.model, _scale_layer())
         shape = tuple(layers[0].shape[1:])

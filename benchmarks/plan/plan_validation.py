@@ -128,6 +128,50 @@ def _work_layer():
     return Work
 
 
+def define_candidate_flags() -> None:
+    """The flags naming one candidate (``probe.py``, ``per_device_memory.py``)."""
+    flags.DEFINE_string("schedule", "interleaved", "Schedule of the candidate.")
+    flags.DEFINE_integer("micro_batches", 4, "M of the candidate.")
+    flags.DEFINE_integer("virtual_stages", 2, "v of the candidate (1 unless interleaved).")
+    flags.DEFINE_string("remat", "except_last", "Remat mode of the candidate.")
+    flags.DEFINE_list("balance", [], "A cut to price and measure instead of the planner's.")
+
+
+def candidate(prof, update, devices, schedule: str, M: int, v: int, remat: str, balance=()):
+    """``(plan, its candidate for (schedule, M, v, remat) on these devices, the schedule,
+    the remat flags, the predicted process peak)``: the plan from a kept profile (``probe.py``,
+    ``per_device_memory.py``), the candidate priced on ``balance`` instead when given."""
+    import dataclasses
+
+    import tf_gpipe
+    from tf_gpipe.plan import plan_from_profile, predict
+    from tf_gpipe.plan.search import remat_flags
+
+    K = len(devices)
+    p = plan_from_profile(prof, devices, FLAGS.budget_mib * 2**20, FLAGS.batch, optimizer_slots=2,
+                          update=update, max_micro_batches=FLAGS.max_micro_batches)  # fmt: skip
+    wanted = (schedule, M, v, remat, K)
+    matching = [
+        c
+        for c in p.candidates
+        if (c.schedule, c.num_micro_batches, c.virtual_stages, c.remat, c.num_stages) == wanted
+    ]
+    if not matching:
+        raise SystemExit("no such candidate: see the plan's report for what it weighed")
+    c = matching[0]
+    steps = tf_gpipe.schedules.get(c.schedule, K, M, v)
+    flags_ = remat_flags(c.remat, K * v)
+    if balance:
+        cut = [int(b) for b in balance]
+        stages = predict.stage_costs(prof, cut, c.micro_batch_size)
+        step, bubble, _ = predict.step_time(steps, stages, flags_)
+        peaks = predict.device_memory(steps, stages, flags_, 2, update)
+        c = dataclasses.replace(c, balance=cut, stages=stages, step_s=step, bubble=bubble, peak_bytes=peaks)
+    process = predict.process_peak(steps, c.stages, flags_, 2, update=update)
+    p.chosen = c
+    return p, c, steps, flags_, process
+
+
 def _layers(name: str, Work):
     import keras
 

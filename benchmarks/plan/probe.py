@@ -19,7 +19,6 @@ Method and findings: benchmarks/plan/README.md ("s18"). Never run by the tests.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 import pickle
 import sys
@@ -34,11 +33,7 @@ import plan_validation as pv  # after the path: defines the model flags and Work
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("schedule", "interleaved", "Schedule of the candidate.")
-flags.DEFINE_integer("micro_batches", 4, "M of the candidate.")
-flags.DEFINE_integer("virtual_stages", 2, "v of the candidate (1 unless interleaved).")
-flags.DEFINE_string("remat", "except_last", "Remat mode of the candidate.")
-flags.DEFINE_list("balance", [], "A cut to price and measure instead of the planner's.")
+pv.define_candidate_flags()
 flags.DEFINE_string("cache_dir", "/tmp/tf_gpipe_plan_probe", "Where the profile is kept.")
 MiB = 2**20
 
@@ -69,9 +64,6 @@ def main(argv):
     import numpy as np
     import tensorflow as tf
 
-    from tf_gpipe.plan import plan_from_profile, predict
-    from tf_gpipe.plan.search import remat_flags
-
     tf.get_logger().setLevel("ERROR")
     Work = pv._work_layer()
     keras.utils.set_random_seed(0)
@@ -88,35 +80,15 @@ def main(argv):
         prof, update = p.profile, p.update
         with open(cache, "wb") as f:
             pickle.dump((prof, update), f)
-    p = plan_from_profile(prof, devices, FLAGS.budget_mib * MiB, FLAGS.batch, optimizer_slots=2,
-                          update=update, max_micro_batches=FLAGS.max_micro_batches)  # fmt: skip
     M, v = FLAGS.micro_batches, FLAGS.virtual_stages
-    matching = [
-        c
-        for c in p.candidates
-        if (c.schedule, c.num_micro_batches, c.virtual_stages, c.remat, c.num_stages)
-        == (FLAGS.schedule, M, v, FLAGS.remat, K)
-    ]
-    if not matching:
-        raise SystemExit("no such candidate: see the plan's report for what it weighed")
-    c = matching[0]
-    schedule = tf_gpipe.schedules.get(c.schedule, K, M, v)
-    flags_ = remat_flags(c.remat, K * v)
-    if FLAGS.balance:
-        balance = [int(b) for b in FLAGS.balance]
-        stages = predict.stage_costs(prof, balance, c.micro_batch_size)
-        step, bubble, _ = predict.step_time(schedule, stages, flags_)
-        peaks = predict.device_memory(schedule, stages, flags_, 2, update)
-        c = dataclasses.replace(
-            c, balance=balance, stages=stages, step_s=step, bubble=bubble, peak_bytes=peaks
-        )
-    process = predict.process_peak(schedule, c.stages, flags_, 2, update=update)
+    p, c, schedule, _, process = pv.candidate(
+        prof, update, devices, FLAGS.schedule, M, v, FLAGS.remat, FLAGS.balance
+    )
     print(f"{c.label()} balance={c.balance}: predicted {c.step_s * 1e3:.1f} ms, {process / MiB:.2f} MiB "
           f"(per device {' / '.join(f'{b / MiB:.2f}' for b in c.peak_bytes)})")  # fmt: skip
     for i, s in enumerate(c.stages):
         print(f"  stage {i} device {schedule.device_of(i)}: input {s.input_bytes / MiB:.2f} stash "
               f"{s.activation_bytes / MiB:.2f} backward {s.backward_bytes / MiB:.2f} MiB")  # fmt: skip
-    p.chosen = c
     shape = tuple(layers[0].shape[1:])
     rng = np.random.default_rng(0)
     with tf.device("CPU:0"):
