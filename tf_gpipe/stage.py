@@ -79,11 +79,11 @@ class StageFunctions:
         self._forward = tf.function(self._forward_body, jit_compile=jit_compile, **options)
         # The forward of a stage that is not re-materialized runs under a tape, and its
         # gradient is TensorFlow's backward of the call (gated inside: ``tf_gpipe.gated``).
-        # As one call, that backward would hold every saved
-        # activation until it returns, and its outputs (the stage's weight gradients) on
-        # top: ~1.25x plain Keras' peak. Inlined, each activation is freed once its
-        # gradient is made, as in plain Keras, at the cost of K x M copies of the body
-        # in the optimized graph (a slower first step for remat="never").
+        # As one call, that backward would hold every saved activation until it returns,
+        # and its outputs (the stage's weight gradients) on top: ~1.25x plain Keras' peak.
+        # Inlined, each activation is freed once its gradient is made, as in plain Keras,
+        # at the cost of K x M copies of the body in the optimized graph (a slower first
+        # step for remat="never").
         self._forward_taped = tf.function(
             self._forward_taped_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False
         )

@@ -80,12 +80,13 @@ def _worker() -> None:
 
     from tf_gpipe.cluster.worker import serve
 
-    serve(json.loads(FLAGS.worker_cluster), "worker", FLAGS.worker_task)
+    server = serve(json.loads(FLAGS.worker_cluster), "worker", FLAGS.worker_task)
     print("READY", flush=True)
     for line in sys.stdin:
         if line.strip() == "reset":
             tf.config.experimental.reset_memory_stats("CPU:0")
         print(json.dumps(tf.config.experimental.get_memory_info("CPU:0")), flush=True)
+    del server  # referenced until stdin closes: the server lives as long as the client asks
 
 
 def _scale_layer():
