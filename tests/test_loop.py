@@ -2,6 +2,7 @@
 2K stage-function call sites whatever M, each stage's calls in GPipe's order."""
 
 import functools
+import re
 
 import keras
 import numpy as np
@@ -133,27 +134,44 @@ def _ancestors(fdef, name):
     return seen
 
 
+def _calls_by_stage(body):
+    """``{call node name: stage}`` for the stage-function calls in a loop body."""
+    return {
+        n.name: int(re.search(r"stage(\d+)_(?:forward|backward)/", n.name).group(1))
+        for n in _stage_calls(body.node_def)
+    }
+
+
+def _loop_bodies(graph_def):
+    fdefs = {f.signature.name: f for f in graph_def.library.function}
+    return [f for name, f in fdefs.items() if "while_body" in name]
+
+
+def _handed_on(body):
+    """``(loop variable as the next iteration reads it, as this one returns it, the call it
+    comes from)`` for each loop variable a stage-function call produces."""
+    args = [a.name for a in body.signature.input_arg]
+    calls = _calls_by_stage(body)
+    for j, a in enumerate(body.signature.output_arg):
+        source = _through_identities(body, body.ret[a.name])
+        if source in calls:
+            yield args[j], body.ret[a.name], source
+
+
 def test_each_stage_call_waits_for_its_previous_call():
     """In both loops' bodies, every stage's call waits for what the same stage's call
-    produced at the previous tick (forward: its outputs; backward: its gradient-sum token),
-    so each device runs its actions one after the other in GPipe's order. (Read from the
-    graph, not timed: a run would not show a missing link reliably.)"""
-    graph_def = _step_graph(6, True)
-    fdefs = {f.signature.name: f for f in graph_def.library.function}
+    produced at the previous iteration (forward: its outputs; backward: its gradient-sum
+    token), so each device runs its actions one after the other in GPipe's order. (Read
+    from the graph, not timed: a run would not show a missing link reliably.)"""
     checked = 0
-    for body in [f for name, f in fdefs.items() if "while_body" in name]:
-        args = [a.name for a in body.signature.input_arg]
-        rets = [body.ret[a.name] for a in body.signature.output_arg]
-        for cond in [n for n in body.node_def if n.op in ("If", "StatelessIf")]:
-            # The loop variables this stage's cond produces, as they enter the next tick.
-            carried = {args[j] for j, r in enumerate(rets) if _through_identities(body, r) == cond.name}
-            assert carried, cond.name
-            branch = fdefs[cond.attr["then_branch"].func.name]
-            params = [a.name for a in branch.signature.input_arg]
-            own = {params[p - 1] for p, ref in enumerate(cond.input) if p and _name(ref) in carried}
-            calls = _stage_calls(branch.node_def)
-            assert len(calls) == 1, cond.name
-            assert own & _ancestors(branch, calls[0].name), cond.name
+    for body in _loop_bodies(_step_graph(6, True)):
+        calls = _calls_by_stage(body)
+        assert sorted(calls.values()) == [0, 1], calls  # one call per stage
+        handed = list(_handed_on(body))
+        for call in calls:
+            own = {arg for arg, _, source in handed if source == call}
+            assert own, call
+            assert own & _ancestors(body, call), call
             checked += 1
     assert checked == 2 * 2  # two stages, two loops
 
@@ -239,23 +257,24 @@ def test_loops_carry_one_handle_tensor_per_stage():
         assert len(resources) <= 2, (n.name, len(resources))  # two stages: one tensor each
 
 
-def test_no_tick_waits_for_the_other_stages():
-    """What a stage hands on to its next tick depends on its own cond only: no barrier of
-    all stages per tick. In a tf.function TensorFlow makes every output of a loop body wait
-    for every stateful op in it (one NoOp with a control input from each stage's cond), so
-    the loop is built without those dependencies (``loop.independent_stages``, a private
-    TensorFlow flag: this fails if an upgrade ignores it)."""
-    graph_def = _step_graph(6, True)
-    fdefs = {f.signature.name: f for f in graph_def.library.function}
+def test_no_iteration_waits_for_the_other_stages():
+    """What a stage hands on to its next iteration waits for its own call and for the calls
+    that feed it data in this iteration (forward: the stages before it; backward: those
+    after it), never for a stage that follows it: no barrier of all stages per iteration.
+    In a tf.function TensorFlow makes every output of a loop body wait for every stateful
+    op in it, so the loop is built without those dependencies
+    (``loop.independent_stages``, a private TensorFlow flag: this fails if an upgrade
+    ignores it)."""
     checked = 0
-    for body in [f for name, f in fdefs.items() if "while_body" in name]:
-        conds = {n.name for n in body.node_def if n.op in ("If", "StatelessIf")}
-        rets = [body.ret[a.name] for a in body.signature.output_arg]
-        for ref in rets:
-            own = _through_identities(body, ref)
-            if own not in conds:
-                continue
-            others = (conds - {own}) & _ancestors(body, _name(ref))
-            assert not others, (_name(ref), own, others)
+    for body in _loop_bodies(_step_graph(6, True)):
+        calls = _calls_by_stage(body)
+        backward = any("backward" in c for c in calls)
+        for _, returned, call in _handed_on(body):
+            stage = calls[call]
+            waits_for = {
+                calls[c] for c in _ancestors(body, _name(returned)) | {_name(returned)} if c in calls
+            }
+            later = {k for k in waits_for if (k < stage if backward else k > stage)}
+            assert not later, (returned, call, waits_for)
             checked += 1
     assert checked >= 2 * 2

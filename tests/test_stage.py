@@ -253,7 +253,9 @@ def _compiled_with_xla(model):
     for cell in model.cells:
         fns = stage.functions(cell)
         concrete = [
-            cf for fn in (fns._forward, fns._forward_taped) for cf in fn._list_all_concrete_functions()
+            cf
+            for fn in (fns._forward, fns._forward_inlined, fns._forward_taped)
+            for cf in fn._list_all_concrete_functions()
         ]
         assert concrete, "the stage's forward was never traced"
         out.append(all(cf.function_def.attr["_XlaMustCompile"].b for cf in concrete))

@@ -15,7 +15,7 @@ backward: simple and exact, not free); a stage on a tape keeps its record until 
 differentiates the taped call again, first-order (``remat.backward``).
 
 GPipe with every stage re-materialized is built by ``tf_gpipe.loop`` instead: two loops
-over clock ticks, 2K stage-function call sites whatever M.
+over micro-batches, 2K stage-function call sites whatever M.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def run_schedule(
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
         tick_loop: build GPipe with every stage re-materialized as ``tf_gpipe.loop``'s
-            loops over clock ticks where it applies: True, False, or "auto" (where every
+            loops over micro-batches where it applies: True, False, or "auto" (where every
             stage is on a CPU; ``loop.chosen``).
 
     Returns:

@@ -251,7 +251,7 @@ def define_pipeline_flags(
         "tick_loop",
         d["tick_loop"],
         list(_TICK_LOOP),
-        "Build GPipe's step (remat=always) as two loops over clock ticks, so the first step does "
+        "Build GPipe's step (remat=always) as two loops over micro-batches, so the first step does "
         "not grow with --num_micro_batches: 'auto' where every stage is on a CPU, 'true' on any "
         "device, 'false' never (one call per stage and micro-batch).",
         flag_values=fv,

@@ -2,8 +2,8 @@
 
 A stage function captures a resource handle for every variable it reads or writes (its
 weights, their gradient sums, seed-generator states, BatchNormalization statistics). Called
-inside the tick loops, it needs each of them in the ``tf.while_loop`` and in the
-``tf.cond`` around the call: one input each, traced at every level (a placeholder per
+inside the loops, it needs each of them in the ``tf.while_loop`` (and, in the
+tick-by-tick loops first built, in a ``tf.cond``): one input each, traced at every level (a placeholder per
 handle per nested graph) and, once TensorFlow lowers the loop to its frame ops, seven graph
 nodes each. With ~130 variables that was ~40% of the loop step's graph and most of what
 its first step cost over the built-out step's with one micro-batch

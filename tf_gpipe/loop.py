@@ -1,29 +1,37 @@
-"""GPipe's training step as two loops over clock ticks: a graph, and a first step, flat in M.
+"""GPipe's training step as two loops over micro-batches: a graph, and a first step, flat in M.
 
 ``executor.run_schedule`` builds one stage-function call per (stage, micro-batch)
 action: O(K x M) call ops. TensorFlow builds each called function's body again for
 every call site while it optimizes and partitions the step graph, so the first step
 grows with M (benchmarks/compiled_stages/README.md). For the GPipe schedule with every
 stage re-materialized, this module builds the same step around 2K call sites, as many
-as one micro-batch needs, whatever M:
+as one micro-batch needs, whatever M, and inlines them (``run`` builds under
+``stage.inlined``): an action is its stage's body, not a function call.
 
-* forward phase: a ``tf.while_loop`` over the M + K - 1 clock ticks; at tick ``t``
-  stage ``s`` runs micro-batch ``t - s`` under a ``tf.cond`` that skips the ticks
-  where it has none (the pipeline filling and draining);
+* forward phase: a ``tf.while_loop`` over the M micro-batches; iteration ``m`` runs
+  every stage's forward of micro-batch ``m``, stage after stage;
 * the loss of the whole mini-batch, once every forward is done (GPipe's);
-* backward phase: the same, stage ``s`` on micro-batch ``t - (K - 1 - s)``.
+* backward phase: the same, iteration ``m`` running the stages' backwards of
+  micro-batch ``m``, last stage first.
 
-From one tick to the next a stage hands its outputs (backward: its input gradients)
-to its neighbour as loop variables. What a stage's backward needs of its forwards (its
-inputs, side inputs and mask, the state each forward read, its layers' losses) waits in
-TensorArrays on the stage's device, indexed by micro-batch; they hold micro-batches of
-different sizes, so an uneven split needs no padding (an idle tick writes to a spare
-last slot). Each stage's calls are chained, forward through its previous output and
-backward through its gradient-sum token, so each device runs its actions in GPipe's
-order, as the executor's control dependencies make it; no tick waits for the others.
-The loops need each stage's output structure before they are built: the stage
-functions are traced (``get_concrete_function``), not called, for it; the trace also
-names the variable handles a call captures, which cross the loop and the cond as one
+The pipelining comes from TensorFlow running iterations at once (``parallel_iterations``):
+nothing holds iteration ``m + 1``'s stage 0 until iteration ``m`` is done, only stage 0's
+own previous forward, so while stage 1 runs micro-batch ``m`` stage 0 runs ``m + 1``. Each
+stage's actions are chained, forward through its previous output and backward through its
+gradient-sum token, both loop variables, so each device runs its actions in GPipe's order,
+as the executor's control dependencies make it, and no iteration waits for the stages
+after it. No stage ever idles in a loop: no conditionals, none of the K - 1 clock ticks a
+tick-by-tick loop spends filling and draining the pipe (the version before this one; its
+conds and ticks cost twice the host work per step, benchmarks/compiled_stages/README.md,
+"tenth session"). The option keeps its name: ``PipelineModel(tick_loop=...)``.
+
+Within an iteration a stage hands its outputs (backward: its input gradients) straight to
+the next. What a stage's backward needs of its forwards (its inputs, side inputs and mask,
+the state each forward read, its layers' losses) waits in TensorArrays on the stage's
+device, indexed by micro-batch; they hold micro-batches of different sizes, so an uneven
+split needs no padding. The loops need each stage's output structure before they are
+built: the stage functions are traced (``get_concrete_function``), not called, for it;
+the trace also names the variable handles a call captures, which cross the loop as one
 stacked tensor per CPU device (``tf_gpipe.handles``), not one loop variable each.
 
 The results are the executor's: the same stage functions on the same micro-batches, the
@@ -35,8 +43,9 @@ every micro-batch size.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import tensorflow as tf
 
@@ -51,6 +60,8 @@ __all__ = ["MIN_MICRO_BATCHES", "applies", "chosen", "run"]
 # Fewer micro-batches than this and the executor builds every action: at M = 1 nothing
 # is summed, and the loops would only add their machinery.
 MIN_MICRO_BATCHES = 2
+
+_Build = TypeVar("_Build", bound=Callable[..., Any])
 
 
 def chosen(setting: bool | str, cells: Sequence[Cell]) -> bool:
@@ -160,8 +171,8 @@ def _write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) ->
     return [a.write(m, v) for a, v in zip(arrays, values)]
 
 
-def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], specs: dict) -> None:
-    """Run ``tick(t)`` for ``t`` in ``range(ticks)`` as a ``tf.while_loop`` whose loop
+def _loop(state: dict, iterations: int, iteration: Callable[[tf.Tensor], None], specs: dict) -> None:
+    """Run ``iteration(i)`` for ``i`` in ``range(iterations)`` as a ``tf.while_loop`` whose loop
     variables are everything in ``state`` (lists of tensors and TensorArrays), updated
     in place. The entries of ``specs`` (key: a ``_Layout``) enter with its shapes, which
     may leave sizes unknown that the stand-ins they start as have."""
@@ -180,29 +191,42 @@ def _loop(state: dict, ticks: int, tick: Callable[[tf.Tensor], None], specs: dic
         for k, n in zip(keys, lengths):
             state[k] = [next(it) for _ in range(n)]
 
-    def body(t, *values):
+    def body(i, *values):
         unpack(values)
-        tick(t)
-        return (t + 1, *[v for k in keys for v in state[k]])
+        iteration(i)
+        return (i + 1, *[v for k in keys for v in state[k]])
 
     start = (tf.constant(0), *[v for k in keys for v in state[k]])
     with independent_stages():
-        _, *values = tf.while_loop(lambda t, *_: t < ticks, body, start)
+        # Every iteration may run at once: each stage's actions are chained through its own
+        # loop variables, so the iterations overlap as far as the stages' order allows.
+        _, *values = tf.while_loop(
+            lambda i, *_: i < iterations, body, start, parallel_iterations=max(iterations, 1)
+        )
     unpack(values)
+
+
+def _count(state: dict, s: int) -> tf.Tensor:
+    """Stage ``s``'s micro-batch index in this iteration. Each stage counts for itself: the
+    loop's own counter lives on one device, and every other device would read it."""
+    m = state["micro_batch", s][0]
+    state["micro_batch", s] = [m + 1]
+    return m
 
 
 @contextlib.contextmanager
 def independent_stages() -> Iterator[None]:
-    """Build loops (and conds) whose body has no automatic control dependencies.
+    """Build loops whose body has no automatic control dependencies.
 
     In a ``tf.function`` TensorFlow makes every output of a loop body wait for every
     stateful op of the body (one NoOp on no device, with a control input from each
-    stage's cond): each tick became a barrier of all K stages, and its control edges
+    stage's cond, in the tick-by-tick loops this module first built): each tick became
+    a barrier of all K stages (an iteration would now), and its control edges
     crossed every device twice. At K=8, M=32 that doubled the loop step's host cost
     against the built-out step's (benchmarks/compiled_stages/README.md, "eighth
     session"). The stages need no such order: each stage's calls are chained through
-    its own data (outputs forward, the gradient-sum token backward). ``while_v2`` and
-    ``cond_v2`` read the flag from the graph they are built in: the private
+    its own data (outputs forward, the gradient-sum token backward). ``while_v2``
+    reads the flag from the graph they are built in: the private
     ``FuncGraph._add_control_dependencies`` (``tests/test_loop.py`` checks it)."""
     graph = tf.compat.v1.get_default_graph()
     saved = getattr(graph, "_add_control_dependencies", None)
@@ -216,6 +240,18 @@ def independent_stages() -> Iterator[None]:
         graph._add_control_dependencies = saved
 
 
+def _inlined(build: _Build) -> _Build:
+    """``build`` with the stage functions inlined (``stage.inlined``): the loops call each once."""
+
+    @functools.wraps(build)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with stage.inlined():
+            return build(*args, **kwargs)
+
+    return cast(_Build, wrapper)
+
+
+@_inlined
 def run(
     schedule: Any,
     cells: Sequence[Cell],
@@ -228,7 +264,6 @@ def run(
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]]]:
     """Build one GPipe training step; arguments and results as ``executor.run_schedule``'s."""
     S, M = len(cells), len(split)
-    T = M + S - 1
     fns = [stage.functions(c) for c in cells]
     sides = list(sides) if sides is not None else [None] * M
     # Micro-batches of one known size keep it (static shapes trace and run leaner); of
@@ -272,83 +307,65 @@ def run(
         raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
 
     # ------------------------------------------------------------------ forward phase
-    state: dict[Any, list[Any]] = {}  # what changes from tick to tick
+    state: dict[Any, list[Any]] = {}  # what changes from iteration to iteration
     with tf.device(cells[0].device):
-        arrays = ins[0].arrays(M + 1)  # the last slot takes what idle ticks write
+        arrays = ins[0].arrays(M)
         for m in range(M):
             arrays = _write(arrays, m, ins[0].compress((split.chunks[m], masks[m], sides[m])))
     state["in", 0] = arrays
     for s in range(S):
         with tf.device(cells[s].device):
             if s > 0:
-                state["in", s] = ins[s].arrays(M + 1)
+                state["in", s] = ins[s].arrays(M)
             state["out", s] = outs[s].zeros(relax=True)
-            state["kept", s] = kept[s].arrays(M + 1)
-            state["added", s] = added[s].arrays(M + 1)
+            state["kept", s] = kept[s].arrays(M)
+            state["added", s] = added[s].arrays(M)
             state["moments", s] = moments[s].zeros()
+            state["micro_batch", s] = [tf.constant(0)]
         state["handles", s] = forward_handles[s].tensors
     with tf.device(cells[-1].device):
-        state["last", S - 1] = outs[-1].arrays(M + 1)
+        state["last", S - 1] = outs[-1].arrays(M)
 
-    def forward(s: int, t: tf.Tensor) -> None:
+    def forward(s: int, carried: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Stage ``s``'s forward of the iteration's micro-batch; ``carried``: stage s - 1's outputs."""
         cell = cells[s]
-        with tf.device(cell.device):  # the cond's plumbing too: no tensor of it visits another device
-            m = t - s
-            active = tf.logical_and(m >= 0, m < M)
-            slot = tf.where(active, m, M)
-            current = tf.clip_by_value(m, 0, M - 1)
+        with tf.device(cell.device), tf.name_scope(f"stage{s}_forward"):
+            m = _count(state, s)
             if s == 0:
-                carried = ins[0].read(state["in", 0], current)
-            else:  # what stage s - 1 produced at the previous tick (none while the pipe fills)
-                # Moved here first: a lowered cond switches each input where it lives, and
-                # the predicate would cross to stage s - 1's device every tick.
-                carried = [tf.identity(c) for c in state["out", s - 1]]
-                state["in", s] = _write(state["in", s], slot, carried)
-            previous = state["out", s]
-            packed = state["handles", s]
-            flag = nonempty(current)  # read here, not inside the cond, for the same reason
-
-            def run_stage():
-                x, mask, side = ins[s].expand(ins[s].shaped(carried))
-                local = None if deferred is None else DeferredStats()
-                with handles.replaced(handles.unpack(forward_handles[s], packed)):
-                    rec = remat.forward(
-                        cell,
-                        _after(_done(previous[:1]), x),  # after this stage's previous forward
-                        mask,
-                        True,
-                        remat=True,
-                        nonempty=flag,
-                        deferred=local,
-                        side=side,
-                    )
-                found = [] if local is None else [t for _, sums in local.sums() for t in sums]
-                return (
-                    outs[s].compress((rec.outputs, rec.out_mask, side)),
-                    kept[s].compress(rec.before),
-                    added[s].compress(rec.losses),
-                    found,
+                carried = ins[0].read(state["in", 0], m)
+            else:
+                state["in", s] = _write(state["in", s], m, carried)
+            x, mask, side = ins[s].expand(carried)
+            local = None if deferred is None else DeferredStats()
+            with handles.replaced(handles.unpack(forward_handles[s], state["handles", s])):
+                rec = remat.forward(
+                    cell,
+                    _after(_done(state["out", s][:1]), x),  # after this stage's previous forward
+                    mask,
+                    True,
+                    remat=True,
+                    nonempty=nonempty(m),
+                    deferred=local,
+                    side=side,
                 )
-
-            def idle():
-                return previous, kept[s].zeros(), added[s].zeros(), moments[s].zeros()
-
-            with tf.name_scope(f"stage{s}_forward"):
-                out, before, losses, found = tf.cond(active, run_stage, idle)
-            state["out", s] = list(out)
-            state["kept", s] = _write(state["kept", s], slot, before)
-            state["added", s] = _write(state["added", s], slot, losses)
-            # Pooled in the executor's order, micro-batch after micro-batch (x + 0 is x).
+            found = [] if local is None else [t for _, sums in local.sums() for t in sums]
+            out = outs[s].compress((rec.outputs, rec.out_mask, side))
+            state["out", s] = out
+            state["kept", s] = _write(state["kept", s], m, kept[s].compress(rec.before))
+            state["added", s] = _write(state["added", s], m, added[s].compress(rec.losses))
+            # Pooled in the executor's order, micro-batch after micro-batch.
             state["moments", s] = [a + b for a, b in zip(state["moments", s], found)]
             if s == S - 1:
-                state["last", s] = _write(state["last", s], slot, state["out", s])
+                state["last", s] = _write(state["last", s], m, out)
+            return out
 
-    def forward_tick(t: tf.Tensor) -> None:
-        for s in reversed(range(S)):  # each stage reads its neighbour's output of the previous tick
-            forward(s, t)
+    def forward_iteration(_: tf.Tensor) -> None:
+        carried: list[tf.Tensor] = []
+        for s in range(S):
+            carried = forward(s, carried)
 
     with tf.name_scope("gpipe_forward"):
-        _loop(state, T, forward_tick, {("out", s): outs[s].relaxed() for s in range(S)})
+        _loop(state, M, forward_iteration, {("out", s): outs[s].relaxed() for s in range(S)})
 
     # ------------------------------------------- every forward is done: the batch's loss
     outputs, out_masks, cell_losses = [], [], []
@@ -415,93 +432,66 @@ def run(
     for s in range(S):
         with tf.device(cells[s].device):
             state["token", s] = [fns[s].zero_sums(inline=True)]
+            state["micro_batch", s] = [tf.constant(0)]
             state["handles", s] = backward_handles[s].tensors
-            if s > 0:
-                state["grad", s] = in_grads_of[s].zeros(relax=True)
             for i, _, layout in rows[s]:
-                state["rows", s, i] = layout.arrays(M + 1)
+                state["rows", s, i] = layout.arrays(M)
 
-    def backward(s: int, t: tf.Tensor) -> None:
+    def backward(s: int, upper: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Stage ``s``'s backward of the iteration's micro-batch; ``upper``: stage s + 1's input
+        gradients (the loss's, for the last stage). Returns its own input gradients."""
         cell = cells[s]
-        with tf.device(cell.device):  # the cond's plumbing too: no tensor of it visits another device
-            m = t - (S - 1 - s)
-            active = tf.logical_and(m >= 0, m < M)
-            slot = tf.where(active, m, M)
-            current = tf.clip_by_value(m, 0, M - 1)
-            stash, saved, token = state["in", s], state["kept", s], state["token", s][0]
-            given_arrays = state.get(("given", s))
-            packed = state["handles", s]
-            # Stage s + 1's, of the previous tick, moved here first (see ``forward``).
-            upper = None if s == S - 1 else [tf.identity(g) for g in state["grad", s + 1]]
-            flag = nonempty(current)
+        with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):
+            m = _count(state, s)
+            stash, token = state["in", s], state["token", s][0]
             n_losses = len(added[s].positions)
-            weight = loss_weights[current] if n_losses and loss_weights is not None else None
-            # Dropped after this backward, as the executor drops each record (the reads
-            # below, of this list's version before the write, still see it).
-            state["in", s] = ins[s].free(stash, slot)
-
-            def run_stage():
-                # Read here, not before the cond: an idle tick's index may hold a freed entry.
-                if s == S - 1:
-                    dy = given.expand(given.read(given_arrays, current))
-                else:
-                    dy = in_grads_of[s + 1].expand(in_grads_of[s + 1].shaped(upper))
-                x, mask, side = ins[s].expand(ins[s].read(stash, current))
-                before = kept[s].expand(kept[s].read(saved, current))
-                loss_grads = [weight] * n_losses if n_losses else []
-                record = remat.Record(
-                    inputs=x,
-                    mask=mask,
-                    outputs=None,
-                    out_mask=None,
-                    losses=[],
-                    nonempty=flag,
-                    side=side,
-                    before=before,
-                    training=True,
-                    deferred=deferred is not None,
+            weight = loss_weights[m] if n_losses and loss_weights is not None else None
+            if s == S - 1:
+                dy = given.expand(given.read(state["given", s], m))
+            else:
+                dy = in_grads_of[s + 1].expand(upper)
+            x, mask, side = ins[s].expand(ins[s].read(stash, m))
+            before = kept[s].expand(kept[s].read(state["kept", s], m))
+            # Dropped after this backward, as the executor drops each record (the read
+            # above, of this list's version before the write, still sees it).
+            state["in", s] = ins[s].free(stash, m)
+            record = remat.Record(
+                inputs=x,
+                mask=mask,
+                outputs=None,
+                out_mask=None,
+                losses=[],
+                nonempty=nonempty(m),
+                side=side,
+                before=before,
+                training=True,
+                deferred=deferred is not None,
+            )
+            with handles.replaced(handles.unpack(backward_handles[s], state["handles", s])):
+                in_grads, (new_token, grads) = remat.backward(
+                    cell,
+                    record,
+                    list(dy),
+                    [weight] * n_losses if n_losses else [],
+                    True,
+                    cell.trainable_variables,
+                    need_input_grads=s > 0,
+                    to_sums=True,
+                    after=token,
                 )
-                with handles.replaced(handles.unpack(backward_handles[s], packed)):
-                    in_grads, (new_token, grads) = remat.backward(
-                        cell,
-                        record,
-                        list(dy),
-                        loss_grads,
-                        True,
-                        cell.trainable_variables,
-                        need_input_grads=s > 0,
-                        to_sums=True,
-                        after=token,
-                    )
-                found = [
-                    t
-                    for i, _, layout in rows[s]
-                    for t in layout.compress((grads[i].values, grads[i].indices))
-                ]
-                grad = in_grads_of[s].compress(in_grads) if s > 0 else []
-                return grad, new_token, found
-
-            def idle():
-                # No rows, not the last gradients again: those would stay alive to the end.
-                grad = in_grads_of[s].zeros(relax=True) if s > 0 else []
-                return grad, tf.identity(token), [z for _, _, layout in rows[s] for z in layout.zeros()]
-
-            with tf.name_scope(f"stage{s}_backward"):
-                grad, new_token, found = tf.cond(active, run_stage, idle)
             state["token", s] = [new_token]
-            if s > 0:
-                state["grad", s] = list(grad)
-            it = iter(found)
-            for i, _, _ in rows[s]:
-                state["rows", s, i] = _write(state["rows", s, i], slot, [next(it), next(it)])
+            for i, _, layout in rows[s]:
+                values = layout.compress((grads[i].values, grads[i].indices))
+                state["rows", s, i] = _write(state["rows", s, i], m, values)
+            return in_grads_of[s].compress(in_grads) if s > 0 else []
 
-    def backward_tick(t: tf.Tensor) -> None:
-        for s in range(S):  # each stage reads its neighbour's gradients of the previous tick
-            backward(s, t)
+    def backward_iteration(_: tf.Tensor) -> None:
+        upper: list[tf.Tensor] = []
+        for s in reversed(range(S)):
+            upper = backward(s, upper)
 
     with tf.name_scope("gpipe_backward"):
-        # Gradients of an unknown leading size: a stage with no micro-batch left hands on none.
-        _loop(state, T, backward_tick, {("grad", s): in_grads_of[s].relaxed() for s in range(1, S)})
+        _loop(state, M, backward_iteration, {})
 
     totals: dict[int, Any] = {}
     for s in range(S):

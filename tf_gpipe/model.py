@@ -82,7 +82,7 @@ class PipelineModel(keras.Model):
             same micro-batches as the main input, and a layer receives it as a
             keyword argument when its ``call`` has a parameter of that name. Side
             inputs are not differentiated.
-        tick_loop: build ``fit``'s step as two loops over clock ticks (``tf_gpipe.loop``):
+        tick_loop: build ``fit``'s step as two loops over micro-batches (``tf_gpipe.loop``):
             2K stage-function call sites whatever M, so the first step stops growing
             with M (K=4 on a CPU: M=32 0.98-1.22x M=1, built out 2.3x), a steady step as fast
             as built out on a CPU (1.03 at K=4, M=16) and as efficient on simulated serial

@@ -17,6 +17,8 @@ so it draws the same dropout masks and changes nothing.
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -25,7 +27,32 @@ from tf_gpipe import gated, handles, keras_compat, remat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, _attach_mask
 
-__all__ = ["StageFunctions", "functions"]
+__all__ = ["StageFunctions", "functions", "inlined"]
+
+_local = threading.local()  # replicas trace in threads of their own
+
+
+@contextlib.contextmanager
+def inlined() -> Iterator[None]:
+    """Within this scope the stage functions are called as functions the runtime inlines.
+
+    For a graph that calls each stage function once (the loops over micro-batches,
+    ``tf_gpipe.loop``), inlining adds no copies, and each action then runs without a
+    function call of its own (host work per action, benchmarks/compiled_stages/README.md,
+    "tenth session"). A graph that calls them once per micro-batch keeps the calls
+    (``_noinline``, see ``StageFunctions``). Inlined, a body's ops no longer wait for all
+    of the call's inputs, nor its outputs for its writes: the forward and backward bodies
+    spell out the orders they need when traced in this scope."""
+    saved = getattr(_local, "inline", False)
+    _local.inline = True
+    try:
+        yield
+    finally:
+        _local.inline = saved
+
+
+def _inline() -> bool:
+    return getattr(_local, "inline", False)
 
 
 def functions(cell: Cell) -> StageFunctions:
@@ -88,6 +115,10 @@ class StageFunctions:
             self._forward_taped_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False
         )
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
+        # The same two, for ``inlined()`` callers. (An XLA function is never inlined.)
+        inline = dict(reduce_retracing=True, autograph=False)
+        self._forward_inlined = tf.function(self._forward_body, jit_compile=jit_compile, **inline)
+        self._backward_inlined = tf.function(self._backward_body, jit_compile=jit_compile, **inline)
         # Timeline markers are host callbacks, which XLA cannot compile.
         self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
         # Only a taped (not re-materialized) stage adds its gradients with a call of its own.
@@ -99,6 +130,7 @@ class StageFunctions:
         if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
             self._forward, self._forward_taped = self._forward_body, self._forward_taped_body
             self._backward = self._backward_marked = self._backward_body
+            self._forward_inlined, self._backward_inlined = self._forward, self._backward
             self._add, self._zero, self._read = self._add_body, self._zero_body, self._read_body
 
     # ------------------------------------------------------------ gradient sums
@@ -230,7 +262,7 @@ class StageFunctions:
         """
         defer = self._defers(deferred, training)
         with tf.device(self.cell.device):
-            fn, extra = (self._forward_taped, (bool(input_grads),)) if taped else (self._forward, ())
+            fn, extra = (self._forward_taped, (bool(input_grads),)) if taped else (self._plain_forward(), ())
             outputs, out_mask, losses, before, moments = handles.call(
                 fn, inputs, mask, side, nonempty, training, defer, *extra
             )
@@ -252,9 +284,13 @@ class StageFunctions:
         captures. A later ``forward`` with matching arguments reuses the trace.
         ``deferred`` is only tested for None."""
         defer = self._defers(deferred, training)
-        concrete = self._forward.get_concrete_function(inputs, mask, side, nonempty, training, defer)
+        concrete = self._plain_forward().get_concrete_function(inputs, mask, side, nonempty, training, defer)
         outputs, out_mask, losses, before, moments = concrete.structured_outputs
         return outputs, out_mask, list(losses), list(before), list(moments), handles.captured(concrete)
+
+    def _plain_forward(self) -> Any:
+        """The forward function (not taped) callers in this scope use: inlined or not."""
+        return self._forward_inlined if _inline() else self._forward
 
     def _defers(self, deferred: Any, training: Any) -> bool:
         """Whether a call defers BatchNormalization statistics: ``deferred`` (a
@@ -278,8 +314,13 @@ class StageFunctions:
         cell, key = self.cell, (training, defer)
         bns = cell.batch_norms if defer else []
         local = DeferredStats() if bns else None
+        # Inlined, the body's ops no longer wait for the call's inputs, nor its outputs for
+        # its writes: the reads wait for the inputs, the outputs for the writes, so that the
+        # next micro-batch's forward (chained to this one's outputs) reads what this one wrote.
+        inputs_ready = [t for t in tf.nest.flatten((inputs, mask, side)) if isinstance(t, tf.Tensor)]
+        ordered = tf.control_dependencies(inputs_ready if _inline() else [])
         # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
-        with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"):
+        with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"), ordered:
             capture = local.capture(bns, nonempty) if bns else contextlib.nullcontext()
             with keras_compat.RecordingScope() as scope, capture:
                 if taped_inputs is None:
@@ -292,11 +333,15 @@ class StageFunctions:
             skipped = local.skipped_variables(bns) if bns else set()
             written = [v for k, v in scope.written.items() if k not in skipped]
             before = [remat._read(v) for v in written]
+            writes = []
             for v, old in zip(written, before):
                 new = scope.get_current_value(v)
                 if nonempty is not None:  # an empty micro-batch (e.g. NaN batch statistics) changes nothing
                     new = tf.where(nonempty, new, old)
-                v.assign(new)
+                writes.append(v.assign(new))
+            if _inline() and writes:
+                with tf.control_dependencies(writes):
+                    outputs = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), outputs)
             recorded = local.sums() if bns else []
         self._remember(self._written, key, written, "variables it writes")
         self._remember(self._deferred_layers, key, [bn for bn, _ in recorded], "BatchNormalization layers")
@@ -350,7 +395,7 @@ class StageFunctions:
         """
         to_sums = bool(to_sums) and need_weight_grads
         defer = self._defers(deferred, training)
-        marker, label, fn = None, None, self._backward
+        marker, label, fn = None, None, self._backward_inlined if _inline() else self._backward
         if tracer is not None:
             recorder, device, tag = tracer
             marker, label, fn = (recorder, device), tf.constant("replayed " + tag), self._backward_marked
@@ -387,7 +432,7 @@ class StageFunctions:
         self.sums(self.cell.trainable_variables)
         args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
         # Exactly the arguments ``backward`` passes with ``to_sums``: the call then reuses the trace.
-        concrete = self._backward.get_concrete_function(
+        concrete = (self._backward_inlined if _inline() else self._backward).get_concrete_function(
             *_backward_args(*args, need_input_grads, None, None, True, True, after)
         )
         in_grads, (token, rows) = concrete.structured_outputs
@@ -423,11 +468,11 @@ class StageFunctions:
             # hold this cell's activations for the whole forward pass and save nothing.
             # A function whose body is inlined may start before all its inputs are ready,
             # so the dependency is spelled out here too.
+            # Every input, not only the float ones: a stage fed only integers (token ids)
+            # would otherwise replay as soon as its inputs exist.
             with tf.control_dependencies(arrived):
-                replay_in = [tf.identity(flat_in[i]) for i in float_pos]
-            swapped = list(flat_in)
-            for i, t in zip(float_pos, replay_in):
-                swapped[i] = t
+                swapped = [tf.identity(t) if isinstance(t, tf.Tensor) else t for t in flat_in]
+            replay_in = [swapped[i] for i in float_pos]
             record = remat.Record(
                 inputs=tf.nest.pack_sequence_as(inputs, swapped),
                 mask=mask,
@@ -468,7 +513,10 @@ class StageFunctions:
             )
             if not to_sums:
                 return in_grads, var_grads
-            return in_grads, self._add_grads(var_grads)
+            # After the previous addition, in micro-batch order, whatever each gradient waits
+            # for (a bias's needs only the output gradient): inlined, nothing else orders them.
+            with tf.control_dependencies([] if after is None else [after]):
+                return in_grads, self._add_grads(var_grads)
 
 
 def _backward_args(
