@@ -278,3 +278,53 @@ def test_no_iteration_waits_for_the_other_stages():
             assert not later, (returned, call, waits_for)
             checked += 1
     assert checked >= 2 * 2
+
+
+def test_the_iterations_may_overlap():
+    """The loops let every iteration run at once (``parallel_iterations`` = M): what
+    pipelines the stages is iteration m + 1's stage 0 running beside iteration m's stage 1.
+    With one iteration at a time each micro-batch would cross every stage before the next
+    began, and the step would take K times as long on serial devices."""
+    graph_def = _step_graph(6, True)
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    loops = [n for n in nodes if n.op in ("While", "StatelessWhile")]
+    assert [n.attr["parallel_iterations"].i for n in loops] == [6, 6]
+
+
+def test_the_sums_are_added_in_micro_batch_order():
+    """Inlined in the loops, a stage's backward body no longer waits for all of its call's
+    inputs: each addition to the gradient sums waits for the previous one's token itself
+    (a bias's gradient needs only the output gradient, which does not wait for it), so
+    the sums are added micro-batch after micro-batch, read only after the last, and equal
+    the built-out step's bit for bit."""
+    checked = 0
+    for f in _step_graph(6, True).library.function:
+        if "_backward_body" not in f.signature.name:
+            continue
+        assert "after" in [a.name for a in f.signature.input_arg]
+        for add in [n for n in f.node_def if n.op == "AssignAddVariableOp"]:
+            assert "after" in _ancestors(f, add.name), add.name
+            checked += 1
+    assert checked == 2 * 4  # two stages, two Dense layers each: a kernel and a bias
+
+
+def test_a_replay_waits_for_its_gradients_whatever_its_inputs():
+    """Inlined, a backward body's replay would start as soon as its inputs exist, holding a
+    stage's activations from the forward phase on: every input waits for the output
+    gradients and the previous token first, integer inputs (token ids) too."""
+    keras.backend.clear_session()
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    layers = [keras.layers.Embedding(40, 8), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=4, devices=cpus)
+    pm.compile(optimizer="sgd", loss=LOSS)
+    pm.build((None, 6))
+    pm.optimizer.build(pm.trainable_variables)
+    spec = (tf.TensorSpec([None, 6], tf.int32), tf.TensorSpec([None], tf.int64))
+    graph_def = tf.function(pm.train_step).get_concrete_function(spec).graph.as_graph_def()
+    bodies = [f for f in graph_def.library.function if "_backward_body" in f.signature.name]
+    assert len(bodies) == 2
+    for f in bodies:
+        readers = [n for n in f.node_def if "inputs" in map(_name, n.input)]
+        assert readers, f.signature.name
+        for n in readers:
+            assert n.op == "Identity" and {"^after", "^output_grads"} <= set(n.input), (n.name, n.input)
