@@ -146,10 +146,6 @@ class _Layout:
     def zeros(self, relax: bool = False) -> list[tf.Tensor]:
         return [_zeros(_relaxed_spec(s) if relax else s) for s in self.specs]
 
-    def shaped(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """``values`` (read from a loop variable of unknown leading size) with their specs' shapes."""
-        return [tf.ensure_shape(v, s.shape) for v, s in zip(values, self.specs)]
-
     def arrays(self, size: int) -> list[tf.TensorArray]:
         # Of any leading size, so that an entry can be freed (``free``) once read.
         return [

@@ -292,6 +292,10 @@ class StageFunctions:
         """The forward function (not taped) callers in this scope use: inlined or not."""
         return self._forward_inlined if _inline() else self._forward
 
+    def _plain_backward(self) -> Any:
+        """The backward function (no timeline markers) callers in this scope use: inlined or not."""
+        return self._backward_inlined if _inline() else self._backward
+
     def _defers(self, deferred: Any, training: Any) -> bool:
         """Whether a call defers BatchNormalization statistics: ``deferred`` (a
         ``DeferredStats``, or a flag) is given, the call trains, and the stage has some."""
@@ -395,7 +399,7 @@ class StageFunctions:
         """
         to_sums = bool(to_sums) and need_weight_grads
         defer = self._defers(deferred, training)
-        marker, label, fn = None, None, self._backward_inlined if _inline() else self._backward
+        marker, label, fn = None, None, self._plain_backward()
         if tracer is not None:
             recorder, device, tag = tracer
             marker, label, fn = (recorder, device), tf.constant("replayed " + tag), self._backward_marked
@@ -432,7 +436,7 @@ class StageFunctions:
         self.sums(self.cell.trainable_variables)
         args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
         # Exactly the arguments ``backward`` passes with ``to_sums``: the call then reuses the trace.
-        concrete = (self._backward_inlined if _inline() else self._backward).get_concrete_function(
+        concrete = self._plain_backward().get_concrete_function(
             *_backward_args(*args, need_input_grads, None, None, True, True, after)
         )
         in_grads, (token, rows) = concrete.structured_outputs
