@@ -72,6 +72,51 @@ def test_deferred_statistics_equal_the_unsplit_model(schedule, remat):
     assert not np.allclose(_moving(pm)[0], 0.0)
 
 
+class _CountedGradient(keras.layers.Layer):
+    """The identity whose gradient counts its own runs (a stateful host call)."""
+
+    runs = 0
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(t):
+            def grad(dy):
+                def count(g):
+                    type(self).runs += 1
+                    return g
+
+                out = tf.numpy_function(count, [dy], dy.dtype, stateful=True)
+                out.set_shape(dy.shape)
+                return out
+
+            return tf.identity(t), grad
+
+        return identity(x)
+
+
+@pytest.mark.parametrize("remat", ["never", "except_last", "always"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_layer_below_batch_norm_is_differentiated_once_a_micro_batch(schedule, remat):
+    """The pooled moments leave a stage beside its outputs; no gradient may flow back through
+    them. Through them, a taped stage (its gradient gated, ``tf_gpipe.gated``) ran a second
+    backward of every layer below a BatchNormalization: twice the work, zero gradients."""
+    keras.utils.set_random_seed(1)
+    layers = [
+        keras.layers.Dense(6),
+        _CountedGradient(),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(3),
+    ]
+    M = 3  # micro-batches of 3, 3 and 2 examples
+    pm = tf_gpipe.PipelineModel(layers, balance=[3, 1], num_micro_batches=M, schedule=schedule, remat=remat)
+    pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data(False, n=8)
+    pm.train_on_batch(x, y)
+    _CountedGradient.runs = 0
+    pm.train_on_batch(x, y)
+    assert _CountedGradient.runs == M
+
+
 def test_deferred_statistics_pool_what_each_layer_saw():
     """Deeper BatchNormalizations see inputs normalized per micro-batch; their update pools
     exactly those inputs over the mini-batch (conv net, statistics over N, H, W)."""

@@ -84,7 +84,12 @@ class DeferredStats:
 
     def _add(self, bn, count, mean, variance) -> None:
         # Sums of n, n*mean and n*(variance + mean^2); an empty micro-batch (NaN moments,
-        # zero count) adds nothing.
+        # zero count) adds nothing. Statistics, not activations: no gradient flows back
+        # through them. A taped stage returns them beside its outputs, and its gated
+        # gradient (``tf_gpipe.gated``) covers the outputs only, so without the stop
+        # TensorFlow ran a second backward of every layer below a BatchNormalization
+        # through them (with zero gradients, but every op run).
+        count, mean, variance = (tf.stop_gradient(t) for t in (count, mean, variance))
         n_mean = tf.where(count > 0, count * mean, tf.zeros_like(mean))
         n_square = tf.where(count > 0, count * (variance + tf.square(mean)), tf.zeros_like(mean))
         self.add_sums(bn, [count, n_mean, n_square])
