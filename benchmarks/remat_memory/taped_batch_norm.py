@@ -10,7 +10,8 @@ CPUs, and reads the allocator's peak (``TF_CPU_ALLOCATOR_USE_BFC=true``). Give `
 a ``git archive`` of another commit to measure its ``tf_gpipe``; alternate the two runs:
 
     S=/tmp/snap_1f9bbf2; mkdir -p $S && git archive 1f9bbf2 | tar -x -C $S
-    for i in 1 2 3; do for r in $S .; do python benchmarks/remat_memory/taped_batch_norm.py --root=$r; done; done
+    for i in 1 2 3; do for r in $S .; do
+        python benchmarks/remat_memory/taped_batch_norm.py --root=$r; done; done
 
 Results: benchmarks/remat_memory/README.md ("A second backward through BatchNormalization
 moments"). Never run by the tests.

@@ -7,8 +7,10 @@ Times come from ``tf_gpipe.balance.profile._median_times``, of a forward-only st
 and a forward+backward step, so the backward is their difference; a layer with weights
 is also timed with a backward w.r.t. its input only and w.r.t. its weights only, the
 halves a split schedule (zb-h1) runs as B and W. The bytes a
-backward keeps are read from the traced gradient graph: the forward tensors its
-gradient ops consume (what a tape, or ``remat="never"``, holds). The bytes a layer
+backward keeps are read from the traced gradient graph: the forward tensors read by the
+gradient ops that need the output gradient (what a tape, or ``remat="never"``, holds); a
+gradient op that reads forward tensors only runs while the forward does, so what it makes
+is kept instead of what it reads. The bytes a layer
 needs while it runs are measured: the allocator's peak over each of the two steps,
 above its input (``get_memory_info``; on CPU only with ``TF_CPU_ALLOCATOR_USE_BFC=true``).
 That peak holds what no graph shows: a CPU convolution's gradient buffers (up to
@@ -172,7 +174,17 @@ def _taped_step(
             loss = tf.add_n([tf.reduce_sum(t) for t in flat] or [tf.constant(0.0)])
         marks["forward_ops"] = len(tf.compat.v1.get_default_graph().get_operations())
         marks["outputs"] = flat
-        grads = tape.gradient(loss, watched + (list(layer.trainable_variables) if weight_grads else []))
+        # The output gradients start from one op (in a pipeline they come from the next stage,
+        # late): what needs it cannot run before the backward starts; see _kept.
+        seed = tf.identity(tf.constant(1.0), name="planner_output_gradient")
+        marks["seed"] = seed.op
+        sources = watched + (list(layer.trainable_variables) if weight_grads else [])
+        if flat:
+            grads = tape.gradient(
+                flat, sources, output_gradients=[tf.fill(tf.shape(t), tf.cast(seed, t.dtype)) for t in flat]
+            )
+        else:
+            grads = tape.gradient(loss, sources)
         # One scalar that needs every gradient: nothing is pruned, and reading it waits for the device.
         return tf.add_n([loss] + [tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None])
 
@@ -182,16 +194,27 @@ def _taped_step(
 def _kept(graph: Any, marks: dict) -> tuple[int, bool, bool]:
     """(bytes of the forward tensors the gradient keeps, other than input and output;
     whether it keeps the input; whether it keeps the output), from the traced graph of
-    :func:`_taped_step`. A kept view (a reshape) counts as its source."""
+    :func:`_taped_step`. A kept view (a reshape) counts as its source. Only the gradient ops
+    that need the output gradient wait for the backward; the others (reading forward tensors
+    only) run as soon as their inputs exist, so their outputs are kept, not their inputs.
+    Measured (MobileNet with ``Work``, whose backward reads a slice of its output), per
+    device, measured / predicted: 0.82-0.87 counting every tensor any gradient op reads,
+    0.98-1.07 this way."""
     ops = graph.get_operations()
-    forward = {id(op) for op in ops[: marks["forward_ops"]]}
+    # Backward ops that need no output gradient (they read forward tensors only) run as soon
+    # as the forward has made their inputs, while it runs; only what the others read is kept.
+    late = {id(marks["seed"])}
+    for op in ops[marks["forward_ops"] :]:
+        if any(id(t.op) in late for t in op.inputs) or any(id(c) in late for c in op.control_inputs):
+            late.add(id(op))
+    early = {id(op) for op in ops if id(op) not in late}
     seen: set[int] = set()
     kept_tensors = []
     for op in ops[marks["forward_ops"] :]:
-        if op.type in _SHAPE_READERS:
+        if op.type in _SHAPE_READERS or id(op) not in late:
             continue
         for t in op.inputs:
-            if id(t.op) not in forward:
+            if id(t.op) not in early:
                 continue
             t = _source(t)
             if id(t) not in seen:
