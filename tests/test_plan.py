@@ -49,6 +49,48 @@ def test_affine_fit_through_two_points_and_never_negative():
     assert Affine.fit(4, 10.0, 32, 5.0) == Affine(5.0, 0.0)  # noise tilting the line down: flat
 
 
+def test_logical_cpus_share_the_host_in_the_prediction():
+    """Stages on logical CPUs of one machine share its processors: the prediction slows
+    the layers that run at once by their measured share; on other devices it does not."""
+    from tf_gpipe.plan import shares_host
+
+    assert shares_host(CPUS[:2]) and shares_host(["/CPU:0", "/device:CPU:1"])
+    assert not shares_host(["/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"])
+    assert not shares_host(["/device:GPU:0", "/device:GPU:1"])
+    busy = hand_profile(layers=2, fwd=1.0, bwd=2.0)
+    busy = dataclasses.replace(busy, layers=[dataclasses.replace(p, host_share=1.0) for p in busy.layers])
+    schedule = schedules.get("gpipe", 2, 2)
+    stages = predict.stage_costs(busy, [1, 1], 4)
+    alone = predict.step_time(schedule, stages, [False, False])[0]
+    shared = predict.step_time(schedule, stages, [False, False], shared_host=True)[0]
+    # Each layer all processor work: the whole step's work in series (2 stages x 2
+    # micro-batches x (4 + 8) s), against the pipeline's overlap alone.
+    assert shared == pytest.approx(48.0) and alone < 48.0
+    # Measured shares reach the plan only where the devices share a host.
+    kw = dict(memory_budget_bytes=2**30, global_batch=8, max_micro_batches=2, schedules=["gpipe"])
+    on_cpus = plan_from_profile(busy, CPUS[:2], **kw)
+    apart = plan_from_profile(busy, CPUS[:2], shared_host=False, **kw)
+    assert on_cpus.shared_host and not apart.shared_host
+    assert on_cpus.predicted_step_s > apart.predicted_step_s
+
+
+class Sleepy(keras.layers.Layer):
+    """The identity after 20 ms of sleep on the host: wall time that holds no processor."""
+
+    def call(self, x):
+        import time
+
+        y = tf.numpy_function(lambda v: (time.sleep(0.02), v)[1], [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+
+def test_profile_measures_each_layers_share_of_the_processors():
+    layers = [keras.Input((256,)), keras.layers.Dense(256), Sleepy(name="sleepy")]
+    dense, sleepy = profile_layers(layers, None, [64], repeats=3, warmup=1).layers
+    assert 0.0 <= sleepy.host_share < 0.2 < dense.host_share <= 1.0
+
+
 def test_prediction_formulas_on_a_hand_checked_case():
     # Two layers, one per stage, micro-batches of n = 4 (global batch 8, M = 2), gpipe on 2 devices.
     # Per example: 100 bytes in and out, 50 more kept, 300 at a layer's backward peak.

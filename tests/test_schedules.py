@@ -163,6 +163,39 @@ def test_simulate_with_stage_costs_and_communication():
     assert t.busy(0) == 3 and t.busy(1) == 7
 
 
+def test_simulate_devices_sharing_one_host():
+    """Logical CPUs share the host's processors: while the running actions' shares sum to
+    D > 1, each one's processor work runs D times slower."""
+    s = gpipe(2, 2)
+    alone = s.simulate(1.0, 2.0)
+    # Shares that never sum past one slow nothing.
+    assert s.simulate(1.0, 2.0, host_share=0.5).slots == alone.slots
+    # Every action all processor work: one action's worth at a time, the work in series.
+    serial = s.simulate(1.0, 2.0, host_share=1.0)
+    assert serial.makespan == pytest.approx(2 * 2 * (1.0 + 2.0))
+    F0, F1 = Action("F", 0, 1), Action("F", 1, 0)  # they start together at t = 1
+    assert serial.slots[F0] == pytest.approx((0, 1.0, 3.0))
+    assert serial.slots[F1] == pytest.approx((1, 1.0, 3.0))
+    assert alone.slots[F1] == (1, 1.0, 2.0)
+
+
+def test_simulate_host_share_segments_run_in_order():
+    """Per kind and stage, an action's layers as (time fraction, share) segments: two
+    forwards that start together slow each other only where their processor work meets."""
+    s = gpipe(2, 2)
+    first, last = [(1.0, 1.0), (1.0, 0.0)], [(1.0, 0.0), (1.0, 1.0)]
+    back = [[(1.0, 0.0)]] * 2
+    met = s.simulate(2.0, 2.0, host_share={"F": [first, first], "B": back})
+    apart = s.simulate(2.0, 2.0, host_share={"F": [first, last], "B": back})
+    F0, F1 = Action("F", 0, 1), Action("F", 1, 0)  # start together at t = 2
+    # Both compute first: 1 s of work each at half speed, then 1 s of waiting.
+    assert met.slots[F0] == pytest.approx((0, 2.0, 5.0)) and met.slots[F1] == pytest.approx((1, 2.0, 5.0))
+    # One computes while the other waits: neither is slowed.
+    assert apart.slots[F0] == pytest.approx((0, 2.0, 4.0)) and apart.slots[F1] == pytest.approx((1, 2.0, 4.0))
+    with pytest.raises(ValueError, match="host_share"):
+        s.simulate(host_share=1.5)
+
+
 def test_draw_gpipe():
     # Device d starts forward m at time m+d; the last device turns around at
     # M+K-1 = 6 and every backward waits for the one below it: 2 units apart.

@@ -164,12 +164,18 @@ def candidate(prof, update, devices, schedule: str, M: int, v: int, remat: str, 
     if balance:
         cut = [int(b) for b in balance]
         stages = predict.stage_costs(prof, cut, c.micro_batch_size)
-        step, bubble, _ = predict.step_time(steps, stages, flags_)
+        step, bubble, _ = predict.step_time(steps, stages, flags_, p.shared_host)
         peaks = predict.device_memory(steps, stages, flags_, 2, update)
         c = dataclasses.replace(c, balance=cut, stages=stages, step_s=step, bubble=bubble, peak_bytes=peaks)
     process = predict.process_peak(steps, c.stages, flags_, 2, update=update)
     p.chosen = c
     return p, c, steps, flags_, process
+
+
+def remat_flags_of(c, schedule):
+    from tf_gpipe.plan.search import remat_flags
+
+    return remat_flags(c.remat, schedule.num_virtual_stages)
 
 
 def _layers(name: str, Work):

@@ -118,6 +118,17 @@ def main(argv):
         f"{wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU a step, load {load:.2f}"
     )
     print("Work host calls a step (device, kind):", {k: n / FLAGS.steps for k, n in sorted(calls.items())})
+    holds = collections.Counter()
+    for t0, t1, d, _, _, _ in log:
+        holds[d] += t1 - t0
+    flags_ = pv.remat_flags_of(c, schedule)
+    from tf_gpipe.plan import predict
+
+    timeline = predict.step_time(schedule, c.stages, flags_, p.shared_host)[2]
+    busy = [timeline.busy(d) for d in range(K)]
+    measured = " / ".join(f"{1e3 * holds[d] / FLAGS.steps:.1f}" for d in range(K))
+    print("per device, ms a step: Work holds measured", measured,
+          "| simulated busy", " / ".join(f"{1e3 * b:.1f}" for b in busy))  # fmt: skip
 
 
 if __name__ == "__main__":

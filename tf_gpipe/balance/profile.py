@@ -211,16 +211,23 @@ def by_time(
         return _median_times(steps, warmup, repeats)
 
 
-def _median_times(steps: Sequence[Callable[[], tf.Tensor]], warmup: int, repeats: int) -> list[float]:
+def _median_times(
+    steps: Sequence[Callable[[], tf.Tensor]], warmup: int, repeats: int, cpu: list[float] | None = None
+) -> list[float]:
     """Each step's median seconds over ``repeats`` calls, after a tracing call and ``warmup`` more.
 
     Shared by ``by_time`` and ``tf_gpipe.graph.node_costs``. Reading each result
-    waits for the device, so a call's time is its whole run.
+    waits for the device, so a call's time is its whole run. ``cpu``, if given, receives
+    each step's median processor seconds (the process's, every thread's) over the same calls.
     """
     times: list[list[float]] = [[] for _ in steps]
+    used: list[list[float]] = [[] for _ in steps]
     for _ in range(1 + warmup + repeats):  # the first call traces
-        for step, record in zip(steps, times):  # round-robin: a burst of load hits every step alike
-            start = time.perf_counter()
+        for step, record, spent in zip(steps, times, used):  # round-robin: load hits every step alike
+            start, start_cpu = time.perf_counter(), time.process_time()
             step().numpy()
             record.append(time.perf_counter() - start)
+            spent.append(time.process_time() - start_cpu)
+    if cpu is not None:
+        cpu[:] = [float(statistics.median(spent[1 + warmup :])) for spent in used]
     return [float(statistics.median(record[1 + warmup :])) for record in times]

@@ -34,6 +34,7 @@ __all__ = [
     "measure_update",
     "plan",
     "plan_from_profile",
+    "shares_host",
 ]
 
 
@@ -116,6 +117,7 @@ def plan(
     virtual_stages: int = 2,
     repeats: int = 5,
     profile_device: str | None = None,
+    shared_host: bool | None = None,
 ) -> Plan:
     """Choose K, stage cuts, M, re-materialization and schedule for the fastest fitting step.
 
@@ -145,6 +147,10 @@ def plan(
         virtual_stages: v for ``"interleaved"``.
         repeats: timed calls per layer and batch size.
         profile_device: where layers are timed; default the first device given, else CPU.
+        shared_host: whether the devices share one host's processors, so that stages running
+            at once slow each other (logical CPUs of one machine); default: True when every
+            device is a CPU of this process (``/device:CPU:i``, or a count with no
+            accelerator present), False otherwise.
 
     Returns:
         A :class:`Plan`: ``PipelineModel(layers, plan=p)``; ``p.report()`` explains it.
@@ -188,7 +194,18 @@ def plan(
         remats=remats,
         max_micro_batches=max_micro_batches,
         virtual_stages=virtual_stages,
+        shared_host=shared_host,
     )
+
+
+def shares_host(devices: int | str | Sequence[str]) -> bool:
+    """Whether ``devices`` share one host's processors: every one a CPU of this process
+    (no job, or one job and task for all), or, for a count, no accelerator present."""
+    if isinstance(devices, int):
+        return not any(d.device_type != "CPU" for d in tf.config.list_logical_devices())
+    specs = [tf.DeviceSpec.from_string(d) for d in ([devices] if isinstance(devices, str) else devices)]
+    places = {(s.job, s.replica, s.task) for s in specs}
+    return all((s.device_type or "CPU").upper() == "CPU" for s in specs) and len(places) == 1
 
 
 def _check(devices: Any, global_batch: Any, memory_budget_bytes: Any, remats: Sequence[str]) -> int:
@@ -220,6 +237,7 @@ def plan_from_profile(
     max_micro_batches: int = 64,
     virtual_stages: int = 2,
     update: UpdateCost | None = None,
+    shared_host: bool | None = None,
 ) -> Plan:
     """:func:`plan` from a profile already taken: re-plan for another budget, batch or
     device count without measuring again (``p.profile`` is the profile a plan used).
@@ -230,6 +248,7 @@ def plan_from_profile(
             measures them when given ``optimizer``); default estimated from ``optimizer_slots``.
         Others: as for :func:`plan`.
     """
+    shared_host = shares_host(devices) if shared_host is None else bool(shared_host)
     update = UpdateCost.estimate(optimizer_slots) if update is None else update
     count = _check(devices, global_batch, memory_budget_bytes, remats)
     device_list = (
@@ -247,6 +266,7 @@ def plan_from_profile(
         max_micro_batches=max_micro_batches,
         virtual_stages=virtual_stages,
         update=update,
+        shared_host=shared_host,
     )
     candidates = search.search(profiled, **options)  # type: ignore[arg-type]
     fitting = [c for c in candidates if c.fits]
@@ -273,4 +293,5 @@ def plan_from_profile(
         optimizer_slots=optimizer_slots,
         profile=profiled,
         update=update,
+        shared_host=shared_host,
     )

@@ -57,6 +57,10 @@ class StageCost:
     # One buffer per distinct weight shape: the zeros that reset the gradient sums each step
     # (M > 1), which Grappler folds into constants the step function holds as long as it lives.
     sum_zeros_bytes: float = 0.0
+    # Per action kind ("F", full backward "B", split input half "I", split weight half "W"),
+    # its layers in the order they run: (seconds alone, share of the host's processors);
+    # None where the profile measured no shares.
+    host_segments: dict[str, tuple[tuple[float, float], ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: 
     full, input_grad, weight_grad = _backward_halves(profiles, n, first)
     call_b = call.backward_call_s.at(n)
     first_bytes = profiles[0].input_bytes.at(n)
+    host_segments = _host_segments(profiles, n, first)
     return StageCost(
         forward_s=sum((p.forward_s for p in profiles), call.forward_call_s).at(n),
         backward_s=full + call_b,
@@ -150,7 +155,36 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: 
         sum_zeros_bytes=float(
             sum(math.prod(shape) * size for shape, size in {w for p in profiles for w in p.weight_shapes})
         ),
+        host_segments=host_segments,
     )
+
+
+def _host_segments(
+    profiles: Sequence[LayerProfile], n: int, first: bool
+) -> dict[str, tuple[tuple[float, float], ...]] | None:
+    """Each action kind's layers in the order they run, as (seconds, host share): the forward
+    bottom up, the backward top down; a split W from the top down to the lowest layer with
+    weights (its weight half), as :func:`_backward_halves` prices it."""
+    if any(p.host_share is None for p in profiles):
+        return None
+    share = [float(p.host_share) for p in profiles]  # type: ignore[arg-type]
+    halves = [_halves(p, n) for p in profiles]
+    full = [p.backward_s.at(n) for p in profiles]
+    down = range(len(profiles) - 1, -1, -1)
+    lowest = next((i for i, p in enumerate(profiles) if p.trainable_bytes > 0), None)
+    weight: list[tuple[float, float]] = []
+    if lowest is not None:
+        bottom = 0 if first and lowest == 0 else lowest
+        weight = [(full[i], share[i]) for i in down if i > bottom]
+        weight.append((full[bottom] if first and lowest == 0 else halves[bottom][1], share[bottom]))
+    # The model's first stage makes no input gradient: its backward is its W.
+    backward = tuple(weight) if first else tuple((full[i], share[i]) for i in down)
+    return {
+        "F": tuple((p.forward_s.at(n), f) for p, f in zip(profiles, share)),
+        "B": backward,
+        "I": () if first else tuple((halves[i][0], share[i]) for i in down),
+        "W": tuple(weight),
+    }
 
 
 def stage_costs(profile: ModelProfile, balance: Sequence[int], n: int) -> list[StageCost]:
@@ -162,10 +196,26 @@ def stage_costs(profile: ModelProfile, balance: Sequence[int], n: int) -> list[S
 
 
 def step_time(
-    schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool]
+    schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool], shared_host: bool = False
 ) -> tuple[float, float, Timeline]:
     """``(seconds, bubble, timeline)`` of one step: a re-materialized backward replays the forward,
-    a split one in B (but on the first stage, whose B does nothing) and again in W."""
+    a split one in B (but on the first stage, whose B does nothing) and again in W.
+    ``shared_host``: the devices share one host's processors (logical CPUs of one machine):
+    the simulation shares them among the running actions' layers (``Schedule.simulate``'s
+    ``host_share``), from each layer's measured share."""
+    host = None
+    if shared_host and all(s.host_segments is not None for s in stages):
+        seg = [s.host_segments for s in stages]
+
+        def replayed(kind: str, again: Sequence[bool]) -> list[list[tuple[float, float]]]:
+            return [list(g["F"] if r else ()) + list(g[kind]) for g, r in zip(seg, again)]  # type: ignore[index]
+
+        host = {"F": [list(g["F"]) for g in seg]}  # type: ignore[index]
+        if schedule.split_backward:
+            host["B"] = replayed("I", [r and i > 0 for i, r in enumerate(remat)])
+            host["W"] = replayed("W", remat)
+        else:
+            host["B"] = replayed("B", remat)
     fwd = [s.forward_s for s in stages]
     if schedule.split_backward:
         wgt = [s.weight_grad_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
@@ -173,10 +223,10 @@ def step_time(
             s.input_grad_s + (s.forward_s if r and i > 0 else 0.0)
             for i, (s, r) in enumerate(zip(stages, remat))
         ]
-        timeline = schedule.simulate(fwd, [b + w for b, w in zip(inp, wgt)], weight_cost=wgt)
+        timeline = schedule.simulate(fwd, [b + w for b, w in zip(inp, wgt)], weight_cost=wgt, host_share=host)
     else:
         bwd = [s.backward_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
-        timeline = schedule.simulate(fwd, bwd)
+        timeline = schedule.simulate(fwd, bwd, host_share=host)
     busy = sum(timeline.busy(d) for d in range(schedule.num_devices))
     total = schedule.num_devices * timeline.makespan
     return timeline.makespan, (total - busy) / total if total > 0 else 0.0, timeline
@@ -283,8 +333,8 @@ def process_peak(
     for every device's weights) comes after every backward: all of its temporaries at once.
     At most the sum of :func:`device_memory`.
     """
-    if timeline is None:
-        timeline = step_time(schedule, stages, remat)[2]
+    if timeline is None:  # one allocator: logical CPUs, which share the host's processors too
+        timeline = step_time(schedule, stages, remat, shared_host=True)[2]
     static = sum(static_bytes(s, optimizer_slots, schedule.num_micro_batches) for s in stages)
     # (time, ends first, device, bytes held from then on, momentary peak from then on)
     changes: list[tuple[float, int, int, float, float]] = []

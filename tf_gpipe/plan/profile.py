@@ -20,6 +20,7 @@ in flight. Without allocator statistics it is estimated from the graph reading.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -82,6 +83,10 @@ class LayerProfile:
     model's first layer gets no input gradient, so its first is zero and its second
     its backward. None where not measured (a hand-made profile): half the backward each.
     ``weight_shapes``: (shape, bytes per element) of each trainable weight.
+    ``host_share``: the share of the host's processors its forward and backward keep busy
+    while they run alone (processor seconds over wall seconds times processors, at the
+    larger size, in ``[0, 1]``): what devices that share one host (logical CPUs) contend
+    for. None where not measured.
     """
 
     name: str
@@ -99,6 +104,7 @@ class LayerProfile:
     input_grad_s: Affine | None = None
     weight_grad_s: Affine | None = None
     weight_shapes: tuple[tuple[tuple[int, ...], int], ...] = ()
+    host_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -355,12 +361,14 @@ def profile_layers(
             if j > 1 and layer.trainable_weights:
                 for grads in ({"weight_grads": False}, {"input_grads": False}):
                     halves.append(partial(_taped_step(layer, mask, **grads)[0], x))
+        cpu: list[float] = []
         with tf.device(device), _sandbox(layer_list):
-            times = _median_times(steps + halves, warmup, repeats)
+            times = _median_times(steps + halves, warmup, repeats, cpu=cpu)
             peaks = _peaks(steps, allocator) if allocator else None
         kept = [_kept(step.get_concrete_function(x).graph, marks) for step, marks, x in taped[1:]]
-        per_size.append((n, records, times, kept, peaks))
-    (n1, rec1, t1, k1, p1), (n2, rec2, t2, k2, p2) = per_size[0], per_size[-1]
+        per_size.append((n, records, times, kept, peaks, cpu))
+    (n1, rec1, t1, k1, p1, _), (n2, rec2, t2, k2, p2, cpu2) = per_size[0], per_size[-1]
+    processors = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     out = []
     # Entries 0, 1: the empty function's forward and forward+backward; layer i at 2i+2, 2i+3;
     # after them the two halves of each layer with weights but the first, in order.
@@ -403,6 +411,8 @@ def profile_layers(
                     (tuple(int(d) for d in w.shape), tf.as_dtype(w.dtype).size)
                     for w in layer.trainable_weights
                 ),
+                # The taped step (forward and backward) at the larger size.
+                host_share=min(max(cpu2[2 * i + 3] / max(t2[2 * i + 3] * processors, 1e-12), 0.0), 1.0),
             )
         )
     return ModelProfile(out, Affine.fit(n1, call_f1, n2, call_f2), Affine.fit(n1, call_b1, n2, call_b2))

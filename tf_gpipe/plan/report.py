@@ -59,6 +59,7 @@ class Plan:
     optimizer_slots: int
     profile: ModelProfile  # the measurements it planned from (for plan_from_profile)
     update: UpdateCost | None = None  # the optimizer update's temporaries it planned with
+    shared_host: bool = False  # whether the simulation shared one host's processors among the devices
 
     num_stages = property(lambda self: self.chosen.num_stages)
     balance = property(lambda self: list(self.chosen.balance))
@@ -137,6 +138,11 @@ class Plan:
             f"{_mib(c.max_peak)} MiB on the fullest device (budget {_mib(budget)} MiB, "
             f"{self.optimizer_slots} optimizer slot(s) per weight{self._update_note()})",
         ]
+        if self.shared_host:
+            lines.append(
+                "Timed as devices sharing this host's processors (logical CPUs): stages that run at once "
+                "share the processors their layers were measured to use"
+            )
         why = (
             f"Why: the fastest of the {len(fitting)} of {len(self.candidates)} candidates that fit the budget"
         )

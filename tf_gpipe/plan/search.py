@@ -103,6 +103,7 @@ def search(
     max_micro_batches: int = 64,
     virtual_stages: int = 2,
     update: predict.UpdateCost | None = None,
+    shared_host: bool = False,
 ) -> list[Candidate]:
     """Every candidate configuration, priced, fastest first; ``fits`` marks those within budget.
 
@@ -116,6 +117,7 @@ def search(
         remats: re-materialization modes to weigh.
         max_micro_batches: the largest M tried.
         update: the optimizer update's temporaries (default estimated from the slots).
+        shared_host: the devices share one host's processors (logical CPUs of one machine).
     """
     cache: dict = {}
     seen = set()
@@ -139,7 +141,7 @@ def search(
                             continue
                         seen.add(signature)
                         stages = predict.stage_costs(profile, balance, n)
-                        step, bubble, _ = predict.step_time(schedule, stages, flags)
+                        step, bubble, _ = predict.step_time(schedule, stages, flags, shared_host)
                         peaks = predict.device_memory(schedule, stages, flags, optimizer_slots, update)
                         out.append(Candidate(K, M, name, v, remat, balance, n, step, bubble, peaks, stages))
     for c in out:

@@ -8,7 +8,7 @@ Free of TensorFlow.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -272,12 +272,23 @@ class Schedule:
         comm_cost: float = 0.0,
         *,
         weight_cost: Cost | None = None,
+        host_share: Cost | Mapping[str, Sequence[Sequence[tuple[float, float]]]] | None = None,
     ) -> Timeline:
         """Event-driven timing of the schedule.
 
         Each device runs its actions in order; an action starts once its device
         is free and each dependency has ended (plus ``comm_cost`` when that
         dependency ran on another device, i.e. its result had to be sent).
+
+        ``host_share``: for devices that share one host's processors (logical CPUs of one
+        machine), the share of those processors an action keeps busy while it runs alone, in
+        ``[0, 1]``: a number, one per stage, or per action kind (``"F"``, ``"B"``, ``"W"``) and
+        stage a list of ``(fraction of the action's time, share)`` segments run in order
+        (an action's layers: a Transformer block's compute between two waits). ``None``: the
+        devices share nothing. The rest of an action's time is device-only work (waiting,
+        sleeping, another chip). Processor sharing: while the running segments' shares sum
+        to ``D > 1``, each one's processor work runs ``D`` times slower, so a segment of
+        share ``f`` progresses at ``1 / (1 - f + f * D)`` of its speed alone.
 
         Args:
           forward_cost: time of one forward, a number or one per stage.
@@ -290,6 +301,24 @@ class Schedule:
           A :class:`Timeline` with every action's ``(device, start, end)``.
         """
         cost = self.durations(forward_cost, backward_cost, weight_cost)
+        if host_share is not None:
+            if isinstance(host_share, Mapping):
+                segments = {
+                    k: [[(float(t), float(f)) for t, f in seg] for seg in host_share[k]] for k in cost
+                }
+            else:
+                shares = [float(f) for f in self._costs(host_share, "host_share")]
+                segments = {k: [[(1.0, f)] for f in shares] for k in cost}
+            for kind, per_stage in segments.items():
+                if len(per_stage) != self.num_virtual_stages or not all(
+                    0.0 <= f <= 1.0 and t >= 0.0 for seg in per_stage for t, f in seg
+                ):
+                    raise ValueError(
+                        f"host_share for {kind!r} needs one segment list per stage "
+                        f"({self.num_virtual_stages}), each share in [0, 1]"
+                    )
+            if any(f for per_stage in segments.values() for seg in per_stage for _, f in seg):
+                return self._simulate_shared(cost, segments, comm_cost)
         free = [0.0] * self.num_devices
         slots: dict[Action, Slot] = {}
         # Any topological order gives the same times: each start is a max over
@@ -303,6 +332,63 @@ class Schedule:
             end = start + cost[a.kind][a.stage]
             slots[a] = Slot(d, start, end)
             free[d] = end
+        return Timeline(slots, max(s.end for s in slots.values()))
+
+    def _simulate_shared(
+        self,
+        cost: dict[str, list[float]],
+        segments: dict[str, list[list[tuple[float, float]]]],
+        comm_cost: float,
+    ) -> Timeline:
+        """:meth:`simulate` with the devices sharing one host's processors (``host_share``)."""
+        self._validated_order()  # every action exists once, and the orders do not deadlock
+        position = [0] * self.num_devices
+        running: dict[int, list] = {}  # device -> [action, start, [[seconds alone left, share], ...]]
+        slots: dict[Action, Slot] = {}
+        now = 0.0
+
+        def ready_at(a: Action, d: int) -> float | None:
+            times = []
+            for dep in self.dependencies(a):
+                if dep not in slots:
+                    return None
+                times.append(slots[dep].end + (comm_cost if slots[dep].device != d else 0.0))
+            return max(times, default=0.0)
+
+        while True:
+            waits = []
+            for d in range(self.num_devices):
+                if d in running or position[d] == len(self.orders[d]):
+                    continue
+                a = self.orders[d][position[d]]
+                at = ready_at(a, d)
+                if at is not None and at <= now:
+                    seconds = float(cost[a.kind][a.stage])
+                    parts = segments[a.kind][a.stage]
+                    total = sum(t for t, _ in parts) or 1.0
+                    left = [[seconds * t / total, f] for t, f in parts if t > 0] or [[seconds, 0.0]]
+                    running[d] = [a, now, left]
+                    position[d] += 1
+                elif at is not None:
+                    waits.append(at)
+            if not running:
+                if not waits:
+                    break
+                now = min(waits)
+                continue
+            demand = max(1.0, sum(r[2][0][1] for r in running.values()))
+            rate = {d: 1.0 / (1.0 - r[2][0][1] + r[2][0][1] * demand) for d, r in running.items()}
+            step = min(r[2][0][0] / rate[d] for d, r in running.items())
+            step = min([step] + [w - now for w in waits])
+            now += step
+            for d in list(running):
+                r = running[d]
+                r[2][0][0] -= rate[d] * step
+                if r[2][0][0] <= 1e-12 * max(1.0, now):
+                    r[2].pop(0)
+                if not r[2]:
+                    slots[r[0]] = Slot(d, r[1], now)
+                    del running[d]
         return Timeline(slots, max(s.end for s in slots.values()))
 
     def bubble_fraction(
