@@ -30,6 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_gpipe import keras_compat
 from tf_gpipe.balance.profile import _layer_list, _median_times, _nbytes, _prepare, _sandbox
 from tf_gpipe.cell import _layer_kwargs
 
@@ -160,13 +161,20 @@ def _source(t: tf.Tensor) -> tf.Tensor:
 
 
 def _taped_step(
-    layer: keras.layers.Layer, mask: Any, input_grads: bool = True, weight_grads: bool = True
+    layer: keras.layers.Layer,
+    mask: Any,
+    input_grads: bool = True,
+    weight_grads: bool = True,
+    gated: bool = True,
 ) -> tuple[Any, dict]:
     """The layer's forward and backward as one function (timed, and measured with the allocator),
     and marks that let :func:`_kept` read its traced graph: where the forward ends, its outputs.
     The first layer gets no input gradient, as in the pipeline (the data need none);
     ``weight_grads=False`` (or ``input_grads=False``) differentiates w.r.t. the input (the
-    weights) only: a split schedule's B (W)."""
+    weights) only: a split schedule's B (W). ``gated``: the gradient as the stages take it
+    (timed); ungated, the graph :func:`_kept` reads (gating's groups tie each op's gradients
+    together, which says nothing of what the forward must keep) and the step whose
+    allocator peak is read."""
     kwargs, marks = _layer_kwargs(layer, mask, True), {}
 
     @tf.function(autograph=False)
@@ -185,10 +193,20 @@ def _taped_step(
         seed = tf.identity(tf.constant(1.0), name="planner_output_gradient")
         marks["seed"] = seed.op
         sources = watched + (list(layer.trainable_variables) if weight_grads else [])
-        if flat:
-            grads = tape.gradient(
-                flat, sources, output_gradients=[tf.fill(tf.shape(t), tf.cast(seed, t.dtype)) for t in flat]
+        if flat and sources:
+            # As the stages differentiate (``remat.tape_gradients``, ``tf_gpipe.gated``):
+            # tf.gradients gated, each op handing on its gradients together. Measured on a
+            # Transformer block (n = 64): its backward 7.4-7.5 ms gated, as a separate call
+            # too, against 6.1-6.4 ms ungated.
+            grads = tf.gradients(
+                flat,
+                [keras_compat.backing_variable(v) if isinstance(v, keras.Variable) else v for v in sources],
+                grad_ys=[tf.fill(tf.shape(t), tf.cast(seed, t.dtype)) for t in flat],
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
+                gate_gradients=gated,
             )
+        elif flat:
+            grads = []
         else:
             grads = tape.gradient(loss, sources)
         # One scalar that needs every gradient: nothing is pruned, and reading it waits for the device.
@@ -348,24 +366,30 @@ def profile_layers(
         _, records = _prepare(layer_list, _at_batch(sample, n), n)
         nothing = _Nothing(name="planner_call_overhead")
         steps: list[Callable[[], tf.Tensor]] = []
+        ungated: list[Callable[[], tf.Tensor]] = []  # the same steps, the backward ungated
         taped = []
         with tf.device(device):  # the inputs live where the steps run: the peaks exclude them
             inputs = [tf.nest.map_structure(_copy, x) for x, _, _ in records]
         timed = [(nothing, inputs[0], records[0])] + list(zip(layer_list, inputs, records))
         halves: list[Callable[[], tf.Tensor]] = []  # per layer with weights: input only, weights only
         for j, (layer, x, (_, mask, _)) in enumerate(timed):
-            step, marks = _taped_step(layer, mask, input_grads=j != 1)
-            steps.append(partial(_forward_step(layer, mask), x))
-            steps.append(partial(step, x))
-            taped.append((step, marks, x))
+            step = _taped_step(layer, mask, input_grads=j != 1)[0]
+            read, marks = _taped_step(layer, mask, input_grads=j != 1, gated=False)
+            forward = partial(_forward_step(layer, mask), x)
+            steps += [forward, partial(step, x)]
+            ungated += [forward, partial(read, x)]
+            taped.append((read, marks, x))
             if j > 1 and layer.trainable_weights:
                 for grads in ({"weight_grads": False}, {"input_grads": False}):
                     halves.append(partial(_taped_step(layer, mask, **grads)[0], x))
         cpu: list[float] = []
         with tf.device(device), _sandbox(layer_list):
             times = _median_times(steps + halves, warmup, repeats, cpu=cpu)
-            peaks = _peaks(steps, allocator) if allocator else None
-        kept = [_kept(step.get_concrete_function(x).graph, marks) for step, marks, x in taped[1:]]
+            # Peaks of the ungated steps: the gated ones read 20-25% above what a
+            # Transformer's devices held (benchmarks/plan/README.md, "s25"), the ungated
+            # within 2-15%.
+            peaks = _peaks(ungated, allocator) if allocator else None
+            kept = [_kept(read.get_concrete_function(x).graph, marks) for read, marks, x in taped[1:]]
         per_size.append((n, records, times, kept, peaks, cpu))
     (n1, rec1, t1, k1, p1, _), (n2, rec2, t2, k2, p2, cpu2) = per_size[0], per_size[-1]
     processors = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
