@@ -202,7 +202,7 @@ def shares_host(devices: int | str | Sequence[str]) -> bool:
     """Whether ``devices`` share one host's processors: every one a CPU of this process
     (no job, or one job and task for all), or, for a count, no accelerator present."""
     if isinstance(devices, int):
-        return not any(d.device_type != "CPU" for d in tf.config.list_logical_devices())
+        return all(d.device_type == "CPU" for d in tf.config.list_logical_devices())
     specs = [tf.DeviceSpec.from_string(d) for d in ([devices] if isinstance(devices, str) else devices)]
     places = {(s.job, s.replica, s.task) for s in specs}
     return all((s.device_type or "CPU").upper() == "CPU" for s in specs) and len(places) == 1
@@ -248,9 +248,9 @@ def plan_from_profile(
             measures them when given ``optimizer``); default estimated from ``optimizer_slots``.
         Others: as for :func:`plan`.
     """
-    shared_host = shares_host(devices) if shared_host is None else bool(shared_host)
     update = UpdateCost.estimate(optimizer_slots) if update is None else update
     count = _check(devices, global_batch, memory_budget_bytes, remats)
+    shared_host = shares_host(devices) if shared_host is None else bool(shared_host)
     device_list = (
         None if isinstance(devices, int) else [devices] if isinstance(devices, str) else list(devices)
     )

@@ -96,6 +96,23 @@ def _halves(p: LayerProfile, n: int) -> tuple[float, float]:
     return p.input_grad_s.at(n), p.weight_grad_s.at(n)
 
 
+def _weight_layers(
+    profiles: Sequence[LayerProfile], n: int, first: bool
+) -> tuple[list[tuple[int, float]], bool]:
+    """What a split W runs, bottom up, as ``(layer index, seconds)``: the lowest layer with
+    weights (its weight half; its whole backward when it is the model's first layer, which
+    makes no input gradient) and the whole backward of every layer above it. Also whether
+    that lowest layer runs whole."""
+    lowest = next((i for i, p in enumerate(profiles) if p.trainable_bytes > 0), None)
+    if lowest is None:
+        return [], False
+    whole = first and lowest == 0
+    bottom = profiles[lowest].backward_s.at(n) if whole else _halves(profiles[lowest], n)[1]
+    return [(lowest, bottom)] + [
+        (i, profiles[i].backward_s.at(n)) for i in range(lowest + 1, len(profiles))
+    ], whole
+
+
 def _backward_halves(profiles: Sequence[LayerProfile], n: int, first: bool) -> tuple[float, float, float]:
     """``(full, input, weight)`` backward seconds of a stage's layers (no call overhead).
 
@@ -106,9 +123,9 @@ def _backward_halves(profiles: Sequence[LayerProfile], n: int, first: bool) -> t
     gradient: its full backward is its W (and its split B does nothing)."""
     full = [p.backward_s.at(n) for p in profiles]
     halves = [_halves(p, n) for p in profiles]
-    lowest = next((i for i, p in enumerate(profiles) if p.trainable_bytes > 0), None)
-    weight = 0.0 if lowest is None else halves[lowest][1] + sum(full[lowest + 1 :])
-    if first and lowest == 0:  # the model's first layer: its backward has no input gradient
+    layers, whole = _weight_layers(profiles, n, first)
+    weight = 0.0 if not layers else layers[0][1] + sum(s for _, s in layers[1:])
+    if whole:  # the model's first layer: its backward has no input gradient
         weight = sum(full)
     if first:
         return weight, 0.0, weight
@@ -171,12 +188,7 @@ def _host_segments(
     halves = [_halves(p, n) for p in profiles]
     full = [p.backward_s.at(n) for p in profiles]
     down = range(len(profiles) - 1, -1, -1)
-    lowest = next((i for i, p in enumerate(profiles) if p.trainable_bytes > 0), None)
-    weight: list[tuple[float, float]] = []
-    if lowest is not None:
-        bottom = 0 if first and lowest == 0 else lowest
-        weight = [(full[i], share[i]) for i in down if i > bottom]
-        weight.append((full[bottom] if first and lowest == 0 else halves[bottom][1], share[bottom]))
+    weight = [(seconds, share[i]) for i, seconds in reversed(_weight_layers(profiles, n, first)[0])]
     # The model's first stage makes no input gradient: its backward is its W.
     backward = tuple(weight) if first else tuple((full[i], share[i]) for i in down)
     return {

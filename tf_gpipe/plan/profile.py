@@ -181,11 +181,9 @@ def _taped_step(
     def step(x):
         watched = [t for t in tf.nest.flatten(x) if t is not None and t.dtype.is_floating]
         watched = watched if input_grads else []
-        with tf.GradientTape() as tape:
-            tape.watch(watched)
-            y = layer(x, **kwargs)
-            flat = [t for t in tf.nest.flatten(y) if t is not None and t.dtype.is_floating]
-            loss = tf.add_n([tf.reduce_sum(t) for t in flat] or [tf.constant(0.0)])
+        y = layer(x, **kwargs)
+        flat = [t for t in tf.nest.flatten(y) if t is not None and t.dtype.is_floating]
+        loss = tf.add_n([tf.reduce_sum(t) for t in flat] or [tf.constant(0.0)])
         marks["forward_ops"] = len(tf.compat.v1.get_default_graph().get_operations())
         marks["outputs"] = flat
         # The output gradients start from one op (in a pipeline they come from the next stage,
@@ -193,6 +191,7 @@ def _taped_step(
         seed = tf.identity(tf.constant(1.0), name="planner_output_gradient")
         marks["seed"] = seed.op
         sources = watched + (list(layer.trainable_variables) if weight_grads else [])
+        grads = []  # nothing to differentiate, or nothing to differentiate by
         if flat and sources:
             # As the stages differentiate (``remat.tape_gradients``, ``tf_gpipe.gated``):
             # tf.gradients gated, each op handing on its gradients together. Measured on a
@@ -205,10 +204,6 @@ def _taped_step(
                 unconnected_gradients=tf.UnconnectedGradients.NONE,
                 gate_gradients=gated,
             )
-        elif flat:
-            grads = []
-        else:
-            grads = tape.gradient(loss, sources)
         # One scalar that needs every gradient: nothing is pruned, and reading it waits for the device.
         return tf.add_n([loss] + [tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None])
 
