@@ -182,6 +182,71 @@ def test_colocate_optimizer_slots_puts_each_slot_on_its_variables_device(cpu_dev
     assert {slot.value.device[-5:] for _, slot in unplaced} == {"CPU:0"}, f"{VERSION}: {unplaced}"
 
 
+def test_update_on_variable_device_runs_each_update_step_there(cpu_devices):
+    with tf.device(cpu_devices[2]):
+        v = keras.Variable(np.ones((2, 2), "float32"))
+    sgd = keras.optimizers.SGD(0.1, momentum=0.5)
+    keras_compat.colocate_optimizer_slots(sgd)
+    keras_compat.update_on_variable_device(sgd)
+    keras_compat.update_on_variable_device(sgd)  # idempotent
+    placed = []
+
+    @tf.function
+    def step(g):
+        sgd.apply_gradients([(g, v)])
+        placed.extend(op.device for op in tf.compat.v1.get_default_graph().get_operations())
+
+    sgd.build([v])
+    step(tf.ones((2, 2)))
+    assert any(d.endswith("CPU:2") for d in placed), f"{VERSION}: {set(placed)}"
+    np.testing.assert_allclose(v.numpy(), 0.9 * np.ones((2, 2)), err_msg=VERSION)
+    # Keras' own path gives the update's arithmetic no device: the check above is not vacuous.
+    other, unplaced = keras.optimizers.SGD(0.1, momentum=0.5), []
+
+    @tf.function
+    def plain(g):
+        other.apply_gradients([(g, v)])
+        unplaced.extend(op.device for op in tf.compat.v1.get_default_graph().get_operations())
+
+    other.build([v])
+    plain(tf.ones((2, 2)))
+    assert not any(d.endswith("CPU:2") for d in unplaced), f"{VERSION}: {set(unplaced)}"
+
+
+def test_skip_default_all_reduce_keeps_gradients_as_given():
+    v = keras.Variable(np.ones(2, "float32"))
+    adam = keras.optimizers.Adam()
+    adam.build([v])
+
+    def traced_op_types():
+        made = []
+
+        @tf.function
+        def step(g):
+            adam.apply_gradients([(g, v)])
+            made.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
+
+        step(tf.ones(2))
+        return made
+
+    assert "IdentityN" in traced_op_types(), f"{VERSION}: the default all-reduce is no longer an IdentityN"
+    keras_compat.skip_default_all_reduce(adam)
+    assert "IdentityN" not in traced_op_types(), VERSION
+
+
+def test_optimizer_own_variables_are_its_scalars():
+    adam = keras.optimizers.Adam(0.01)
+    own = keras_compat.optimizer_own_variables(adam)
+    assert [v.path for v in own] == [adam.iterations.path, adam.learning_rate.path], VERSION
+    decay = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    scheduled = keras.optimizers.Adam(decay)  # the learning rate is computed, not a variable
+    assert keras_compat.optimizer_own_variables(scheduled) == [scheduled.iterations], VERSION
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    scaled.build([keras.Variable(np.ones(2, "float32"))])
+    paths = {v.path for v in keras_compat.optimizer_own_variables(scaled)}
+    assert {scaled.step_counter.path, scaled.dynamic_scale.path} <= paths, f"{VERSION}: {paths}"
+
+
 # ------------------------------------------------------------------------------ stateless scope
 def test_suspend_stateless_scope_builds_real_variables():
     layer = keras.layers.Dense(2)

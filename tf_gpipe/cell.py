@@ -142,12 +142,19 @@ def _move_variables(layer: keras.layers.Layer, device: str) -> None:
 
     Variables made before the layer joined a stage (a layer built in a
     ``keras.Sequential``, a Dropout's seed state made in its constructor, a
-    layer built from a saved config) sit on the default device. Keras variables
-    wrap a ``tf.Variable``: swapping in a copy made on the stage's device moves
-    them for good (nothing has captured the old one yet).
+    layer built from a saved config) sit on the default device.
+    """
+    move_variables(layer.variables, device)
+
+
+def move_variables(variables: Any, device: str) -> None:
+    """Put each Keras variable of ``variables`` on ``device``.
+
+    Keras variables wrap a ``tf.Variable``: swapping in a copy made on ``device``
+    moves them for good, as long as no traced function has captured the old one.
     """
     target = tf.DeviceSpec.from_string(device)
-    for v in layer.variables:
+    for v in variables:
         raw = keras_compat.backing_variable(v)
         if not isinstance(raw, tf.Variable) or _on_device(raw.device, target):
             continue

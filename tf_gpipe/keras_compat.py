@@ -50,15 +50,18 @@ __all__ = [
     "observe_batch_norm_moments",
     "operation_caller",
     "outputs_structure",
+    "optimizer_own_variables",
     "overridable",
     "sequential_functional",
     "set_backing_variable",
     "set_initial_epoch",
     "set_keras_mask",
+    "skip_default_all_reduce",
     "standardize_inputs",
     "suspend_stateless_scope",
     "track_checkpoint_dependency",
     "unscale_loss_for_distribution",
+    "update_on_variable_device",
 ]
 
 
@@ -219,6 +222,60 @@ def colocate_optimizer_slots(optimizer: Any) -> None:
 
     optimizer.add_variable_from_reference = add_variable_from_reference
     optimizer._tf_gpipe_colocated = True
+
+
+def update_on_variable_device(optimizer: Any) -> None:
+    """Make ``optimizer`` run each variable's ``update_step`` (slot arithmetic and
+    assigns) under ``tf.device`` of the variable. Keras runs it inside the default
+    strategy's ``extended.update``, which sets no device. Wraps the instance's
+    ``update_step(gradient, variable, learning_rate)``, which every Keras optimizer
+    implements and calls once per variable."""
+    if optimizer is None or getattr(optimizer, "_tf_gpipe_update_placed", False):
+        return
+    original = _attribute(optimizer, "update_step", "run each variable's update on its device")
+
+    def update_step(gradient, variable, learning_rate):
+        raw = backing_variable(variable) if isinstance(variable, keras.Variable) else variable
+        with tf.device(getattr(raw, "device", None) or None):
+            return original(gradient, variable, learning_rate)
+
+    optimizer.update_step = update_step
+    optimizer._tf_gpipe_update_placed = True
+
+
+def skip_default_all_reduce(optimizer: Any) -> None:
+    """Skip the default strategy's all-reduce of the gradients when no ``tf.distribute``
+    strategy is active: an identity, made as one ``IdentityN`` over every gradient,
+    which the placer puts on the default device, routing every stage's gradients there.
+    Wraps ``TFOptimizer._all_reduce_sum_gradients``."""
+    if optimizer is None or getattr(optimizer, "_tf_gpipe_no_default_all_reduce", False):
+        return
+    original = _attribute(
+        optimizer, "_all_reduce_sum_gradients", "keep each gradient on its stage's device"
+    )
+
+    def all_reduce_sum_gradients(grads_and_vars):
+        if tf.distribute.has_strategy():
+            return original(grads_and_vars)
+        return list(grads_and_vars)
+
+    optimizer._all_reduce_sum_gradients = all_reduce_sum_gradients
+    optimizer._tf_gpipe_no_default_all_reduce = True
+
+
+def optimizer_own_variables(optimizer: Any) -> list:
+    """The optimizer's own scalar variables, not per-model-variable slots: ``iterations``,
+    the learning rate when it is a variable (``BaseOptimizer._learning_rate``), and a
+    ``LossScaleOptimizer``'s ``step_counter`` and ``dynamic_scale`` once built."""
+    own = [optimizer.iterations]
+    lr = _attribute(optimizer, "_learning_rate", "keep the learning rate on a stage's device")
+    if isinstance(lr, keras.Variable):
+        own.append(lr)
+    for name in ("step_counter", "dynamic_scale"):
+        v = getattr(optimizer, name, None)
+        if isinstance(v, keras.Variable):
+            own.append(v)
+    return own
 
 
 # ------------------------------------------------------------------------------ stateless scope

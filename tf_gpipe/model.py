@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_gpipe import keras_compat, microbatch, saving, schedules, structure, trainer
+from tf_gpipe import keras_compat, microbatch, saving, schedules, structure, trainer, update
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.partition import balance_by_cost, check_tied_layers, split_by_balance, unpack_layers
@@ -399,7 +399,7 @@ class PipelineModel(keras.Model):
         from tf_gpipe.jit import choose_jit
 
         self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
-        keras_compat.colocate_optimizer_slots(self.optimizer)
+        update.place_optimizer(self.optimizer, self.devices[0])
         self._build_training_state()
 
     def _build_training_state(self) -> None:
@@ -409,6 +409,7 @@ class PipelineModel(keras.Model):
         if not self.built or getattr(self, "optimizer", None) is None:
             return
         self.optimizer.build(self.trainable_variables)
+        update.place_optimizer(self.optimizer, self.devices[0])  # and what build made
         self._build_gradient_sums()
 
     def _build_gradient_sums(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, microbatch, schedules, structure
+from tf_gpipe import keras_compat, microbatch, schedules, structure, update
 from tf_gpipe.executor import accumulate, run_schedule
 
 __all__ = ["Gradients", "gradients", "shares", "train_step"]
@@ -43,7 +43,7 @@ def train_step(model: Any, data: Any) -> dict:
         keras_compat.unscale_loss_for_distribution(step.loss), sample_weight=step.batch_size
     )
     if model.trainable_weights:
-        model.optimizer.apply_gradients(zip(step.grads, model.trainable_weights))
+        update.apply(model.optimizer, step.grads, model.trainable_weights)
     else:
         warnings.warn("The model does not have any trainable weights.", stacklevel=2)
     return model.compute_metrics(structure.to_tensors(x), y, step.y_pred, sample_weight=sample_weight)

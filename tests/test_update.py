@@ -1,0 +1,132 @@
+"""The optimizer update runs on the stages' devices, and still equals keras.Sequential's.
+
+Stages sit on CPU:1..3; CPU:0 is the default device (tests/conftest.py), where no stage
+lives. Keras' default-strategy path would put every stage's update there; each test
+reads the partition graphs that ran.
+"""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+from helpers import assert_all_close, data, mlp_layers, pair
+from tensorflow.python.eager import context
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.5),
+    "sgd_clipnorm": lambda: keras.optimizers.SGD(0.05, clipnorm=0.3),
+    "rmsprop_clipvalue": lambda: keras.optimizers.RMSprop(0.01, clipvalue=0.02),
+}
+
+
+def _ran(fn):
+    """Run ``fn()`` and return {device: [(op type, node name), ...]} of what ran."""
+    context.enable_run_metadata()
+    try:
+        fn()
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    nodes = collections.defaultdict(list)
+    for graph in metadata.function_graphs:
+        for partition in graph.partition_graphs:
+            for node in partition.node:
+                nodes[node.device.split("/")[-1].replace("device:", "")].append((node.op, node.name))
+    return nodes
+
+
+def _stage_pair(optimizer, cpu_devices):
+    seq, pm = pair(
+        lambda: mlp_layers(width=6, depth=4),
+        (None, 8),
+        devices=cpu_devices[1:],
+        balance=[2, 2, 1],
+        num_micro_batches=3,
+    )
+    seq.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    pm.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return seq, pm
+
+
+def _optimizer_ops(nodes, optimizer, extra=()):
+    """The ops made in ``optimizer``'s name scopes (a LossScaleOptimizer's and its inner
+    optimizer's, wherever they nest), those under the ``extra`` top-level scopes, and any
+    IdentityN (the default strategy's all-reduce)."""
+    scopes = {o.name for o in (optimizer, getattr(optimizer, "inner_optimizer", None)) if o}
+
+    def ours(op, name):
+        parts = name.split("/")
+        return op == "IdentityN" or parts[0] in extra or bool(scopes.intersection(parts))
+
+    return {dev: [n for n in ns if ours(*n)] for dev, ns in nodes.items()}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_update_runs_on_its_stage_device(name, cpu_devices):
+    seq, pm = _stage_pair(OPTIMIZERS[name], cpu_devices)
+    x, y = data(10)  # 10 rows in 3 micro-batches: 4, 3, 3
+    nodes = _ran(lambda: pm.train_on_batch(x, y))
+    seq.train_on_batch(x, y)
+    ops = _optimizer_ops(nodes, pm.optimizer)
+    assert not ops.get("CPU:0"), f"optimizer ops on CPU:0, where no stage lives: {ops['CPU:0'][:10]}"
+    # No all-reduce without a strategy: an IdentityN would route every gradient through one device.
+    assert not [n for ns in nodes.values() for n in ns if n[0] == "IdentityN"]
+    for device in ("CPU:1", "CPU:2", "CPU:3"):
+        assigns = [n for n in ops.get(device, []) if n[0].startswith("Assign")]
+        assert assigns, f"no optimizer update on {device}: {sorted(ops)}"
+    x2, y2 = data(10, seed=1)  # a second step reads the first one's slots
+    pm.train_on_batch(x2, y2)
+    seq.train_on_batch(x2, y2)
+    assert_all_close(pm.get_weights(), seq.get_weights())
+    assert_all_close([v for v in pm.optimizer.variables], [v for v in seq.optimizer.variables])
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_loss_scale_optimizer_updates_on_stage_devices(mixed_float16, cpu_devices):
+    seq, pm = _stage_pair(lambda: keras.optimizers.Adam(0.01), cpu_devices)
+    assert isinstance(pm.optimizer, keras.optimizers.LossScaleOptimizer)
+    x, y = data(10)
+    nodes = _ran(lambda: pm.train_on_batch(x, y))
+    seq.train_on_batch(x, y)
+    ops = _optimizer_ops(nodes, pm.optimizer, extra=("cond",))  # its tf.cond on finite gradients
+    assert not ops.get("CPU:0"), f"optimizer ops on CPU:0, where no stage lives: {ops['CPU:0'][:10]}"
+    for device in ("CPU:1", "CPU:2", "CPU:3"):
+        assert any(n[0].startswith("Assign") for n in ops.get(device, [])), device
+    assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-3, atol=1e-3)
+
+
+def test_optimizer_scalars_live_on_the_first_stage(cpu_devices):
+    _, pm = _stage_pair(OPTIMIZERS["adam"], cpu_devices)
+    assert pm.optimizer.iterations.value.device.endswith("CPU:1")
+    assert pm.optimizer.learning_rate.value.device.endswith("CPU:1")
+    x, y = data(10)
+    pm.train_on_batch(x, y)
+    assert int(pm.optimizer.iterations.numpy()) == 1
+
+
+def test_eager_step_updates_on_stage_devices(cpu_devices):
+    """``run_eagerly=True``: no graph to place, each variable's update_step is scoped."""
+    seq, pm = pair(
+        lambda: mlp_layers(width=6, depth=2), (None, 8), devices=cpu_devices[1:3], num_micro_batches=2
+    )
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    seq.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    pm.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, run_eagerly=True)
+    x, y = data(5)
+    pm.train_on_batch(x, y)
+    seq.train_on_batch(x, y)
+    for v in pm.optimizer.variables[2:]:  # the slots: beside their variables
+        assert not v.value.device.endswith("CPU:0"), v.path
+    assert_all_close(pm.get_weights(), seq.get_weights())
+    np.testing.assert_equal(int(pm.optimizer.iterations.numpy()), 1)
