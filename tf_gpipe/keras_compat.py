@@ -49,8 +49,8 @@ __all__ = [
     "node_arguments",
     "observe_batch_norm_moments",
     "operation_caller",
-    "outputs_structure",
     "optimizer_own_variables",
+    "outputs_structure",
     "overridable",
     "sequential_functional",
     "set_backing_variable",
@@ -250,9 +250,7 @@ def skip_default_all_reduce(optimizer: Any) -> None:
     Wraps ``TFOptimizer._all_reduce_sum_gradients``."""
     if optimizer is None or getattr(optimizer, "_tf_gpipe_no_default_all_reduce", False):
         return
-    original = _attribute(
-        optimizer, "_all_reduce_sum_gradients", "keep each gradient on its stage's device"
-    )
+    original = _attribute(optimizer, "_all_reduce_sum_gradients", "keep each gradient on its stage's device")
 
     def all_reduce_sum_gradients(grads_and_vars):
         if tf.distribute.has_strategy():
