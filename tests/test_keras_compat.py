@@ -241,10 +241,28 @@ def test_optimizer_own_variables_are_its_scalars():
     decay = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
     scheduled = keras.optimizers.Adam(decay)  # the learning rate is computed, not a variable
     assert keras_compat.optimizer_own_variables(scheduled) == [scheduled.iterations], VERSION
+    accumulating = keras.optimizers.SGD(gradient_accumulation_steps=2)  # iterations is computed
+    first = next(iter(keras_compat.optimizer_own_variables(accumulating)))
+    assert first.path.endswith("iteration"), VERSION
     scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
     scaled.build([keras.Variable(np.ones(2, "float32"))])
     paths = {v.path for v in keras_compat.optimizer_own_variables(scaled)}
     assert {scaled.step_counter.path, scaled.dynamic_scale.path} <= paths, f"{VERSION}: {paths}"
+
+
+def test_factored_slots_pair_adafactors_moments_with_their_variables():
+    variables = [keras.Variable(np.ones((3, 4), "float32")), keras.Variable(np.ones(4, "float32"))]
+    adafactor = keras.optimizers.Adafactor()
+    adafactor.build(variables)
+    pairs = keras_compat.factored_slots(adafactor)
+    shapes = sorted((tuple(slot.shape), tuple(v.shape)) for slot, v in pairs)
+    assert shapes == [((), (4,)), ((), (4,)), ((3,), (3, 4)), ((4,), (3, 4))], f"{VERSION}: {shapes}"
+    assert keras_compat.factored_slots(keras.optimizers.Adam()) == [], VERSION
+    nadam = keras.optimizers.Nadam()
+    nadam.build(variables)
+    assert any(
+        "u_product" in v.path or v.shape == () for v in keras_compat.optimizer_own_variables(nadam)[2:]
+    )
 
 
 # ------------------------------------------------------------------------------ stateless scope

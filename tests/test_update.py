@@ -10,8 +10,12 @@ import collections
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 from tensorflow.python.eager import context
+
+from tf_gpipe import update
+from tf_gpipe.cell import move_variables
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
@@ -28,6 +32,7 @@ def _ran(fn):
     """Run ``fn()`` and return {device: [(op type, node name), ...]} of what ran."""
     context.enable_run_metadata()
     try:
+        context.export_run_metadata()  # drop what earlier calls left
         fn()
         metadata = context.export_run_metadata()
     finally:
@@ -130,3 +135,70 @@ def test_eager_step_updates_on_stage_devices(cpu_devices):
         assert not v.value.device.endswith("CPU:0"), v.path
     assert_all_close(pm.get_weights(), seq.get_weights())
     np.testing.assert_equal(int(pm.optimizer.iterations.numpy()), 1)
+
+
+EVERY_OPTIMIZER = {
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.05, l1_regularization_strength=0.01),
+    "lion": lambda: keras.optimizers.Lion(0.01),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.05),
+    "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=2),
+    "sgd_accumulation": lambda: keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
+    "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+}
+
+
+def _steps(opt, ours, ref, theirs, devices):
+    @tf.function
+    def ours_step(g0, g1):
+        with tf.device(devices[0]):
+            a = tf.identity(g0)
+        with tf.device(devices[1]):
+            b = tf.identity(g1)
+        update.apply(opt, [a, b], ours)
+
+    @tf.function
+    def their_step(g0, g1):
+        ref.apply_gradients(zip([g0, g1], theirs))
+
+    return ours_step, their_step
+
+
+def test_every_keras_optimizer_updates_on_its_variables_devices(cpu_devices):
+    """The update of two variables on CPU:1 and CPU:2, optimizer by optimizer: no op of it
+    on CPU:0, and the same values as Keras' own apply_gradients on CPU:0."""
+    rng = np.random.RandomState(0)
+    start = [rng.randn(3, 4).astype("float32"), rng.randn(4).astype("float32")]
+    grads = [[rng.randn(*w.shape).astype("float32") for w in start] for _ in range(3)]
+    misplaced = {}
+    for name, make in EVERY_OPTIMIZER.items():
+        ours = [keras.Variable(w) for w in start]
+        for v, device in zip(ours, cpu_devices[1:3]):
+            move_variables([v], device)
+        theirs = [keras.Variable(w) for w in start]
+        opt, ref = make(), make()
+        update.place_optimizer(opt, cpu_devices[1])
+        opt.build(ours)
+        update.place_optimizer(opt, cpu_devices[1])
+        ref.build(theirs)
+
+        ours_step, their_step = _steps(opt, ours, ref, theirs, cpu_devices[1:3])
+
+        for g in grads:
+            their_step(*g)
+        for g in grads:  # after Keras' own steps: the run metadata holds ours alone
+            nodes = _ran(lambda g=g, step=ours_step: step(*g))
+            ops = _optimizer_ops(nodes, opt, extra=("cond",))
+            if ops.get("CPU:0"):
+                misplaced[name] = ops["CPU:0"][:5]
+        assert_all_close(ours, theirs, rtol=1e-6, atol=1e-6)
+        assert_all_close(opt.variables, ref.variables, rtol=1e-6, atol=1e-6)
+    assert not misplaced, f"optimizer ops on CPU:0, where no variable lives: {misplaced}"

@@ -37,6 +37,7 @@ __all__ = [
     "colocate_optimizer_slots",
     "compiled_loss",
     "current_stateless_scope",
+    "factored_slots",
     "first_call_argument",
     "flat_compiled_losses",
     "functional_nodes",
@@ -262,18 +263,38 @@ def skip_default_all_reduce(optimizer: Any) -> None:
 
 
 def optimizer_own_variables(optimizer: Any) -> list:
-    """The optimizer's own scalar variables, not per-model-variable slots: ``iterations``,
-    the learning rate when it is a variable (``BaseOptimizer._learning_rate``), and a
+    """The optimizer's own scalar variables, not per-model-variable slots: its step count
+    (``BaseOptimizer._iterations``), the learning rate when it is a variable
+    (``BaseOptimizer._learning_rate``), and a
     ``LossScaleOptimizer``'s ``step_counter`` and ``dynamic_scale`` once built."""
-    own = [optimizer.iterations]
-    lr = _attribute(optimizer, "_learning_rate", "keep the learning rate on a stage's device")
-    if isinstance(lr, keras.Variable):
-        own.append(lr)
-    for name in ("step_counter", "dynamic_scale"):
+    why = "keep the optimizer's own scalars on a stage's device"
+    # Not ``iterations``: with gradient accumulation it is computed from ``_iterations``.
+    own = []
+    for name in ("_iterations", "_learning_rate"):
+        v = _attribute(optimizer, name, why)
+        if isinstance(v, keras.Variable):
+            own.append(v)
+    # A LossScaleOptimizer's (made in build), Nadam's running momentum product.
+    for name in ("step_counter", "dynamic_scale", "_u_product"):
         v = getattr(optimizer, name, None)
         if isinstance(v, keras.Variable):
             own.append(v)
     return own
+
+
+def factored_slots(optimizer: Any) -> list[tuple[Any, Any]]:
+    """``[(slot, variable), ...]`` for the slots an optimizer makes without
+    ``add_variable_from_reference``, so no hook sees which variable they belong to:
+    Adafactor's row and column second moments (``_r``, ``_c``, one per variable, in
+    the order of ``_trainable_variables``), made by its ``build``."""
+    pairs = []
+    for name in ("_r", "_c"):
+        slots = getattr(optimizer, name, None)
+        if isinstance(slots, list) and slots:
+            why = "put Adafactor's factored moments beside their variables"
+            variables = _attribute(optimizer, "_trainable_variables", why)
+            pairs += list(zip(slots, variables))
+    return pairs
 
 
 # ------------------------------------------------------------------------------ stateless scope

@@ -60,6 +60,8 @@ def place_optimizer(optimizer: Any, home: str) -> None:
     keras_compat.update_on_variable_device(optimizer)
     keras_compat.skip_default_all_reduce(optimizer)
     move_variables(keras_compat.optimizer_own_variables(optimizer), home)
+    for slot, variable in keras_compat.factored_slots(optimizer):
+        move_variables([slot], keras_compat.backing_variable(variable).device)
     place_optimizer(getattr(optimizer, "inner_optimizer", None), home)
 
 
@@ -72,16 +74,18 @@ def apply(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Non
     # averages) would otherwise be free to write a variable while a backward still
     # reads it: the update starts once every gradient is done.
     done = [t for g in grads if g is not None for t in tf.nest.flatten(g, expand_composites=True)]
-    with tf.control_dependencies(done), tf.compat.v1.device(_BesideInputs()):
+    own = keras_compat.optimizer_own_variables(optimizer)
+    home = keras_compat.backing_variable(own[0]).device if own else ""
+    with tf.control_dependencies(done), tf.compat.v1.device(_BesideInputs(home)):
         optimizer.apply_gradients(zip(grads, variables))
 
 
 class _BesideInputs:
     """A graph device function: an op made without a device goes where its largest input is."""
 
-    def __init__(self) -> None:
+    def __init__(self, home: str) -> None:
         self._devices: dict[int, str] = {}
-        self._last = ""
+        self._last = home  # where the optimizer's own scalars live
 
     def __call__(self, op: tf.Operation) -> str:
         if op.type in _BRANCHES and not op.device:
