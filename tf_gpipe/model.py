@@ -234,7 +234,7 @@ class PipelineModel(keras.Model):
     def from_model(
         cls,
         model: keras.Model,
-        num_stages: int = 1,
+        num_stages: int | None = None,
         balance: Sequence[int] | str | None = None,
         virtual_stages: int = 1,
         **kwargs: Any,
@@ -268,32 +268,7 @@ class PipelineModel(keras.Model):
         """
         from tf_gpipe import graph
 
-        if isinstance(model, keras.Sequential) and keras_compat.sequential_functional(model) is not None:
-            model = keras_compat.sequential_functional(model)
-        nodes = graph.graph_nodes(model)
-        cells = num_stages * virtual_stages
-        node_balance: list[int]
-        if balance is None:
-            node_balance = [len(g) for g in split_by_balance(nodes, cells, None)]
-        elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
-            from tf_gpipe.balance import solve_minmax
-
-            node_balance = solve_minmax(graph.node_costs(model, balance), cells)
-        else:
-            node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
-        stages = graph.split_graph(model, node_balance, name=f"{model.name}_stage")
-        spec = tree.pack_sequence_as(keras_compat.inputs_structure(model), model.inputs)
-        instance = cls(
-            stages,
-            num_stages=num_stages,
-            balance=[1] * cells,
-            virtual_stages=virtual_stages,
-            **kwargs,
-        )
-        instance._source_model = model
-        instance._node_balance = list(node_balance)
-        instance._build_cells(structure.spec_from(spec))
-        return instance
+        return graph.from_model(cls, model, num_stages, balance, virtual_stages, **kwargs)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -442,10 +417,28 @@ class PipelineModel(keras.Model):
     def from_config(cls, config: dict, custom_objects: Any = None) -> PipelineModel:
         return saving.from_config(cls, config, custom_objects)
 
+    def set_weights(self, weights: Any) -> None:
+        if not self.built:  # Keras alone would say "expecting 0 weights"
+            raise ValueError(saving.not_built("set_weights()"))
+        super().set_weights(weights)
+
     def to_sequential(self, name: str | None = None) -> keras.Sequential:
         """An unsplit ``keras.Sequential`` copy of the layers, with the current weights.
 
         Train pipelined, serve unsplit: the copy has no device placement and no
-        micro-batching, and its ``get_weights()`` equals this model's.
+        micro-batching, and its ``get_weights()`` equals this model's. A model made by
+        ``from_model`` exports with ``to_functional()`` instead.
         """
         return saving.to_sequential(self, name)
+
+    def to_functional(self, name: str | None = None) -> keras.Model:
+        """After ``from_model``: an unsplit functional copy of the source model (its
+        graph, with copies of its layers), holding the current weights.
+
+        The copy's variables are its own (training this model afterwards leaves it as
+        it is), with the source's layer names; its ``get_weights()`` equals the source
+        model's (the functional order; this model lists its weights stage by stage).
+        It predicts what this model predicts, without device placement or
+        micro-batching, and saves and loads as any functional Keras model.
+        """
+        return saving.to_functional(self, name)
