@@ -52,7 +52,8 @@ class PipelineModel(keras.Model):
             gradients, variable updates) is discarded. An empty mini-batch
             reaches the layers empty, as in the unsplit model.
         devices: one device string per stage. Default: visible GPUs, else
-            logical CPUs, else ``CPU:0``, assigned round-robin.
+            logical CPUs, else ``CPU:0``, assigned round-robin (with fewer devices than
+            stages, stages share one, with a warning).
         remat: ``"always"`` (re-materialize every stage), ``"except_last"`` (not
             the last stage, whose backward follows its forward at once) or
             ``"never"``.
@@ -250,8 +251,10 @@ class PipelineModel(keras.Model):
 
         Args:
             model: a functional ``keras.Model`` (or ``keras.Sequential``), built.
-            num_stages: K.
-            balance: nodes per stage, a list; or ``"params"``, ``"time"`` or ``"memory"``
+            num_stages: K; default ``len(balance) // virtual_stages`` for a list
+                ``balance``, else 1.
+            balance: nodes per stage (each call of a layer in the graph, in the order
+                Keras runs them; the inputs do not count), a list; or ``"params"``, ``"time"`` or ``"memory"``
                 to cut where the largest stage's cost (``graph.node_costs``) is smallest;
                 default an even split by node count.
             virtual_stages: as in ``PipelineModel``.
