@@ -1,11 +1,18 @@
 """tf_gpipe: GPipe pipeline parallelism for TensorFlow 2 and Keras 3."""
 
+import keras as _keras
+
 from tf_gpipe import schedules, timeline
 from tf_gpipe.devices import configure_virtual_cpus, exact_float32
 from tf_gpipe.model import PipelineModel
 from tf_gpipe.plan import Plan, plan  # the function shadows the package name: tf_gpipe.plan(...)
 from tf_gpipe.remat import is_recomputing
 from tf_gpipe.schedules import bubble_fraction
+
+# Keras' legacy .h5 format (ModelCheckpoint("best.h5"), model.save("m.h5")) records the bare
+# class name and looks it up among the custom objects by that name, while the .keras format
+# uses the registered "tf_gpipe>PipelineModel": answer to both, so either file loads.
+_keras.saving.get_custom_objects().setdefault("PipelineModel", PipelineModel)
 
 __version__ = "0.1.0"
 
