@@ -1,5 +1,6 @@
 """Bad arguments and bad inputs fail fast with a message that names the problem and the fix."""
 
+import importlib
 import warnings
 
 import keras
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_gpipe
 from tf_gpipe import PipelineModel
 
 
@@ -245,6 +247,14 @@ def test_more_stages_than_cpus_warns_as_for_gpus(cpu_devices):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one CPU per stage: nothing to warn about
         PipelineModel(_dense(4), num_stages=4)
+
+
+def test_another_keras_backend_fails_clearly_at_import_and_construction(monkeypatch):
+    # Only the TensorFlow backend is installed here: pretend Keras reports another one.
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    for attempt in (lambda: importlib.reload(tf_gpipe), lambda: PipelineModel(_dense(1))):
+        msg = _error(RuntimeError, attempt)
+        assert "'jax' backend" in msg and "KERAS_BACKEND=tensorflow" in msg
 
 
 def _check_scalar_message(msg):

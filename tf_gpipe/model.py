@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras import tree
 
 from tf_gpipe import keras_compat, microbatch, saving, schedules, structure, trainer
+from tf_gpipe.backend import check_backend
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.partition import balance_by_cost, check_tied_layers, split_by_balance, unpack_layers
@@ -138,6 +139,7 @@ class PipelineModel(keras.Model):
         tick_loop: bool | str = "auto",
         **kwargs: Any,
     ):
+        check_backend()  # again: keras.config.set_backend can switch it after the import
         super().__init__(**kwargs)
         if plan is not None:  # tf_gpipe.plan(...) sets these; any also given here must agree with it
             num_stages, balance, num_micro_batches, devices, remat, schedule, virtual_stages = plan.resolve(
