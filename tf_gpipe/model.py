@@ -23,17 +23,20 @@ __all__ = ["PipelineModel"]
 class PipelineModel(keras.Model):
     """A sequence of Keras layers split into stages on devices, trained with GPipe.
 
-    Drop-in for ``keras.Sequential(layers)``: ``compile``/``fit``/``evaluate``/
-    ``predict``/``save`` work, and the numbers match the unsplit model. Each
-    stage's variables are created on its device and its ops run there; only the
-    tensors between stages cross devices. Every mini-batch is cut into
-    ``num_micro_batches`` micro-batches that flow through the stages in the
-    fill-drain order, so stage ``k`` works on micro-batch ``m`` while stage
-    ``k-1`` works on ``m+1``. With re-materialization, each stage keeps only its
-    input per micro-batch and recomputes the rest in the backward pass, replaying
-    exactly the same dropout masks and applying BatchNormalization updates once.
-    Gradients are summed over micro-batches on each stage's device and applied
-    in one optimizer update per mini-batch.
+    Drop-in for ``keras.Sequential(layers)`` on Keras' TensorFlow backend (checked):
+    ``compile``/``fit``/``evaluate``/``predict``/``save`` work, and the numbers match the
+    unsplit model's, but for what depends on the batch or on random draws in training with
+    M > 1: dropout and augmentation draw per micro-batch (same distribution, other masks),
+    BatchNormalization normalizes per micro-batch, so only a first BatchNormalization (nothing
+    random before it) ends with the unsplit moving statistics (docs/concepts.md). Each
+    stage's variables are created on its device and its ops run there; only the tensors
+    between stages cross devices. Every mini-batch is cut into ``num_micro_batches``
+    micro-batches that flow through the stages in the fill-drain order, so stage ``k``
+    works on micro-batch ``m`` while stage ``k-1`` works on ``m+1``. With
+    re-materialization, each stage keeps only its input per micro-batch and recomputes the
+    rest in the backward pass, replaying exactly the same dropout masks and applying
+    BatchNormalization updates once. Gradients are summed over micro-batches on each
+    stage's device and applied in one optimizer update per mini-batch.
 
     Args:
         layers: Keras layers applied in order (a list, or a ``keras.Sequential``).
@@ -85,10 +88,8 @@ class PipelineModel(keras.Model):
             keyword argument when its ``call`` has a parameter of that name. Side
             inputs are not differentiated.
         tick_loop: build ``fit``'s step as two loops over micro-batches (``tf_gpipe.loop``):
-            2K stage-function call sites whatever M, so the first step stops growing
-            with M (K=4 on a CPU: M=32 0.98-1.22x M=1, built out 2.3x), a steady step as fast
-            as built out on a CPU (1.03 at K=4, M=16) and as efficient on simulated serial
-            devices (benchmarks/compiled_stages/README.md). It applies to
+            2K stage-function call sites whatever M, so the first step stops growing with M
+            (figures: docs/api.md, benchmarks/compiled_stages/README.md). It applies to
             ``schedule="gpipe"``, ``remat="always"``, M >= 2, dense inputs and no timeline
             recorder; other steps are built out (one call per stage and micro-batch).
             ``"auto"`` (the default) builds the loops where they apply and every stage is on
