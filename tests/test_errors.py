@@ -241,7 +241,8 @@ def test_from_model_takes_num_stages_from_balance():
 
 
 def test_more_stages_than_cpus_warns_as_for_gpus(cpu_devices):
-    with pytest.warns(UserWarning, match=r"6 stages on 4 CPU.*devices=\[\.\.\.\].*configure_virtual_cpus\(6\)"):
+    expected = r"6 stages on 4 CPU.*devices=\[\.\.\.\].*configure_virtual_cpus\(6\)"
+    with pytest.warns(UserWarning, match=expected):
         model = PipelineModel(_dense(6), num_stages=6)
     assert model.devices == [cpu_devices[k % 4] for k in range(6)]
     with warnings.catch_warnings():
