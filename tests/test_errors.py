@@ -1,10 +1,14 @@
 """Bad arguments and bad inputs fail fast with a message that names the problem and the fix."""
 
+import importlib
+import warnings
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_gpipe
 from tf_gpipe import PipelineModel
 
 
@@ -157,6 +161,32 @@ def test_single_layer_instead_of_list():
     assert "'lonely'" in msg and "pass [layer]" in msg
 
 
+def _functional_model():
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(4)(inputs)
+    return keras.Model(inputs, keras.layers.Add()([h, keras.layers.Dense(4)(h)]), name="residual")
+
+
+def test_functional_model_instead_of_layers_names_from_model():
+    msg = _error(TypeError, lambda: PipelineModel(_functional_model(), num_stages=2))
+    assert "'residual'" in msg and "PipelineModel.from_model(model, num_stages=" in msg
+
+
+@pytest.mark.parametrize("layer", [keras.layers.Add, keras.layers.Concatenate, "attention"])
+def test_layer_taking_several_inputs_names_from_model(layer):
+    if layer == "attention":
+        several = keras.layers.MultiHeadAttention(num_heads=1, key_dim=2, name="several")
+    else:
+        several = layer(name="several")
+    msg = _error(Exception, lambda: PipelineModel([keras.Input((3, 4)), keras.layers.Dense(4), several]))
+    assert "'several'" in msg and "takes several tensors" in msg and "PipelineModel.from_model(" in msg
+    # A layer that fails for another reason gets no such hint.
+    model = PipelineModel([keras.layers.Reshape((5,))])
+    msg = _error(Exception, lambda: model.build((None, 4)))
+    assert "Reshape" in msg or "reshape" in msg
+    assert "from_model" not in msg
+
+
 def test_not_iterable_layers():
     with pytest.raises(TypeError, match=r"list of Keras layers or a keras.Sequential, got int"):
         PipelineModel(3)
@@ -180,6 +210,52 @@ def test_to_sequential_before_build():
     model = PipelineModel(_dense(2), num_stages=2)
     with pytest.raises(ValueError, match=r"build or call the model before to_sequential"):
         model.to_sequential()
+
+
+def test_set_weights_before_build_says_how_to_build():
+    model = PipelineModel(_dense(2), num_stages=2)
+    msg = _error(ValueError, lambda: model.set_weights([np.ones((3, 4)), np.ones(4)] * 2))
+    assert "build or call the model before set_weights()" in msg
+    assert "model.build((None, ...))" in msg and "keras.Input(shape=...)" in msg
+
+
+def test_from_model_on_an_unbuilt_sequential_says_how_to_build_it():
+    seq = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(2)], name="no_input")
+    msg = _error(ValueError, lambda: PipelineModel.from_model(seq, num_stages=2))
+    assert "'no_input'" in msg and "not built" in msg
+    assert "keras.Input(shape=...)" in msg and "model.build((None, ...))" in msg
+    seq.build((None, 5))  # the fix the message names
+    assert PipelineModel.from_model(seq, num_stages=2).balance == [1, 1]
+
+
+def test_from_model_takes_num_stages_from_balance():
+    model = _functional_model()  # 3 nodes: Dense, Dense, Add
+    pm = PipelineModel.from_model(model, balance=[2, 1])
+    assert pm.num_stages == 2 and len(pm.cells) == 2
+    # balance shows where the model was cut, in nodes (layer calls), not one per stage.
+    assert pm.balance == [2, 1]
+    assert PipelineModel.from_model(model, num_stages=2).balance == [2, 1]
+    assert PipelineModel.from_model(model).balance == [3]
+    with pytest.raises(ValueError, match=r"balance has 2 stages but num_stages=3"):
+        PipelineModel.from_model(model, num_stages=3, balance=[2, 1])
+
+
+def test_more_stages_than_cpus_warns_as_for_gpus(cpu_devices):
+    expected = r"6 stages on 4 CPU.*devices=\[\.\.\.\].*configure_virtual_cpus\(6\)"
+    with pytest.warns(UserWarning, match=expected):
+        model = PipelineModel(_dense(6), num_stages=6)
+    assert model.devices == [cpu_devices[k % 4] for k in range(6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one CPU per stage: nothing to warn about
+        PipelineModel(_dense(4), num_stages=4)
+
+
+def test_another_keras_backend_fails_clearly_at_import_and_construction(monkeypatch):
+    # Only the TensorFlow backend is installed here: pretend Keras reports another one.
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    for attempt in (lambda: importlib.reload(tf_gpipe), lambda: PipelineModel(_dense(1))):
+        msg = _error(RuntimeError, attempt)
+        assert "'jax' backend" in msg and "KERAS_BACKEND=tensorflow" in msg
 
 
 def _check_scalar_message(msg):

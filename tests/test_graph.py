@@ -240,3 +240,55 @@ def test_node_costs_leave_no_side_effects():
     assert len(costs) == len(graph_nodes(model)) and all(c > 0 for c in costs)
     for a, v in zip(before, model.variables):
         np.testing.assert_array_equal(a, v.numpy())
+
+
+def _two_in_two_out():
+    """Two inputs, a residual Add, a shared layer, a Concatenate branch, BatchNorm, two outputs."""
+    keras.utils.set_random_seed(4)
+    a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
+    h = keras.layers.Dense(8, activation="tanh")(a)
+    h = keras.layers.Add()([h, keras.layers.Dense(8)(b)])
+    r = keras.layers.Dense(8, activation="relu")(h)
+    h = keras.layers.Concatenate()([h, r])
+    y = keras.layers.Dense(3, name="y")(keras.layers.BatchNormalization()(h))
+    return keras.Model({"a": a, "b": b}, {"y": y, "z": keras.layers.Dense(1, name="z")(h)})
+
+
+def test_to_functional_exports_an_unsplit_copy(tmp_path):
+    model = _two_in_two_out()
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=3, num_micro_batches=2)
+    rng = np.random.RandomState(5)
+    x = {"a": rng.randn(8, 6).astype("float32"), "b": rng.randn(8, 4).astype("float32")}
+
+    def move_weights():  # as training would, BatchNorm statistics included
+        for v in pm.weights:
+            v.assign(v.numpy() + rng.uniform(0.1, 0.5, v.shape).astype("float32"))
+
+    move_weights()
+    with pytest.raises(ValueError, match=r"from_model.*to_functional\(\)"):
+        pm.to_sequential()
+    unsplit = pm.to_functional(name="served")
+    assert type(unsplit) is not tf_gpipe.PipelineModel and unsplit.name == "served"
+    assert len(unsplit.layers) == len(model.layers)
+    # Copied weights: the same values under the same layer names, in variables of its own.
+    theirs = {v.path: v.numpy() for v in pm.weights}
+    assert sorted(theirs) == sorted(v.path for v in unsplit.weights)
+    for v in unsplit.weights:
+        np.testing.assert_array_equal(v.numpy(), theirs[v.path])
+    assert not {id(v) for v in unsplit.weights} & {id(v) for v in pm.weights}
+    out, ref = unsplit.predict(x, verbose=0), pm.predict(x, verbose=0)
+    assert_all_close([out["y"], out["z"]], [ref["y"], ref["z"]])
+    unsplit.save(tmp_path / "served.keras")
+    loaded = keras.models.load_model(tmp_path / "served.keras")
+    again = loaded.predict(x, verbose=0)
+    assert_all_close([again["y"], again["z"]], [ref["y"], ref["z"]])
+    before = unsplit.get_weights()
+    move_weights()
+    for a, b in zip(before, unsplit.get_weights()):  # training the pipeline leaves the copy alone
+        np.testing.assert_array_equal(a, b)
+
+
+def test_to_functional_needs_from_model():
+    pm = tf_gpipe.PipelineModel([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=r"list of layers: use model.to_sequential\(\)"):
+        pm.to_functional()

@@ -51,6 +51,25 @@ def _layer_kwargs(
     return kwargs
 
 
+def _several_inputs_hint(layer: Any, x: Any, error: Exception) -> str:
+    """Where a layer that takes several tensors got the previous layer's one output, name
+    from_model: a list of layers is a chain, so such a layer needs a functional model."""
+    if tf.nest.is_nested(x):
+        return ""
+    required = [
+        p
+        for p in inspect.signature(layer.call).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(required) < 2 and "list" not in str(error).lower():
+        return ""
+    return (
+        f". Each layer of a PipelineModel gets the previous layer's output, but {layer.name!r} "
+        "takes several tensors: wire the layers into a functional keras.Model(inputs, outputs) "
+        "and split it with tf_gpipe.PipelineModel.from_model(model, num_stages=...)."
+    )
+
+
 class Cell:
     """Consecutive layers placed on one device.
 
@@ -103,7 +122,7 @@ class Cell:
                 except Exception as e:  # name the layer: the traceback alone is hard to read
                     raise type(e)(
                         f"tf_gpipe: building layer {layer.name!r} of stage {self.index} "
-                        f"on inputs {spec} failed: {e}"
+                        f"on inputs {x} failed: {e}{_several_inputs_hint(layer, x, e)}"
                     ) from e
                 mask = tf.nest.map_structure(keras_compat.get_keras_mask, x)
                 _move_variables(layer, self.device)

@@ -41,23 +41,30 @@ def _available() -> list[str]:
 def default_devices(num_stages: int) -> list[str]:
     """Visible GPUs, else logical CPUs, else CPU:0; assigned to stages round-robin.
 
-    With fewer GPUs than stages, stage ``k`` goes to GPU ``k % num_gpus``: stages
-    that share a GPU run one after another there (re-materialization still saves
-    memory, pipelining saves no time), and a warning says so. Logical CPUs are
-    never mixed in: a CPU stage would be far slower than its GPU neighbours.
+    With fewer devices than stages, stage ``k`` goes to device ``k % num_devices``:
+    stages that share a device run one after another there (re-materialization still
+    saves memory, pipelining saves no time), and a warning says so. Logical CPUs are
+    never mixed in with GPUs: a CPU stage would be far slower than its GPU neighbours.
     """
     pool = [d.name for d in tf.config.list_logical_devices("GPU")]
     if pool and len(pool) < num_stages:
-        warnings.warn(
-            f"tf_gpipe: {num_stages} stages on {len(pool)} GPU(s): stage k runs on GPU k % "
-            f"{len(pool)}, so stages share a GPU and run one after another there. Pass "
-            "devices=[...] to choose, or split a GPU into logical GPUs with "
-            "tf.config.set_logical_device_configuration before TensorFlow starts.",
-            stacklevel=3,
-        )
+        more = "split a GPU into logical GPUs with tf.config.set_logical_device_configuration"
+        _warn_shared(num_stages, len(pool), "GPU", f"{more} before TensorFlow starts")
     if not pool:
         pool = [d.name for d in tf.config.list_logical_devices("CPU")] or ["/device:CPU:0"]
+        if len(pool) < num_stages:
+            more = f"make logical CPUs with tf_gpipe.configure_virtual_cpus({num_stages})"
+            _warn_shared(num_stages, len(pool), "CPU", f"{more} before TensorFlow starts")
     return [pool[k % len(pool)] for k in range(num_stages)]
+
+
+def _warn_shared(num_stages: int, have: int, kind: str, more: str) -> None:
+    warnings.warn(
+        f"tf_gpipe: {num_stages} stages on {have} {kind}(s): stage k runs on {kind} k % "
+        f"{have}, so stages share a {kind} and run one after another there. Pass "
+        f"devices=[...] to choose, or {more}.",
+        stacklevel=4,  # resolve_devices' caller
+    )
 
 
 @contextlib.contextmanager

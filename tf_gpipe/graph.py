@@ -8,10 +8,10 @@ from typing import Any
 import keras
 from keras import tree
 
-from tf_gpipe import keras_compat
-from tf_gpipe.partition import check_tied_layers
+from tf_gpipe import keras_compat, structure
+from tf_gpipe.partition import check_tied_layers, split_by_balance
 
-__all__ = ["GraphStage", "graph_nodes", "split_graph"]
+__all__ = ["GraphStage", "from_model", "graph_nodes", "split_graph"]
 
 
 def graph_nodes(model: keras.Model) -> list:
@@ -24,6 +24,51 @@ def graph_nodes(model: keras.Model) -> list:
             "to cut: pass their layers as a list to PipelineModel instead."
         )
     return nodes
+
+
+def from_model(
+    cls: Any,
+    model: keras.Model,
+    num_stages: int | None,
+    balance: Sequence[int] | str | None,
+    virtual_stages: int,
+    **kwargs: Any,
+) -> Any:
+    """``PipelineModel.from_model``: cut ``model``'s nodes into stages and build ``cls`` on them."""
+    if isinstance(model, keras.Sequential):
+        functional = keras_compat.sequential_functional(model)
+        if functional is None:  # no input shape yet: no graph to cut
+            raise ValueError(
+                f"tf_gpipe: from_model got the keras.Sequential {model.name!r}, which is not built, "
+                "so it has no graph to cut yet. Give it an input shape first: start its layers "
+                "with keras.Input(shape=...), or call model.build((None, ...)) (or the model on "
+                "data); or pass its layers to PipelineModel(model.layers, ...) directly."
+            )
+        model = functional
+    nodes = graph_nodes(model)
+    if num_stages is None:  # as PipelineModel: one stage per balance entry, else 1
+        listed = balance is not None and not isinstance(balance, str)
+        num_stages = len(list(balance)) // virtual_stages if listed else 1  # type: ignore[arg-type]
+    cells = num_stages * virtual_stages
+    node_balance: list[int]
+    if balance is None:
+        node_balance = [len(g) for g in split_by_balance(nodes, cells, None)]
+    elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
+        from tf_gpipe.balance import solve_minmax
+
+        node_balance = solve_minmax(node_costs(model, balance), cells)
+    else:
+        node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
+    stages = split_graph(model, node_balance, name=f"{model.name}_stage")
+    spec = tree.pack_sequence_as(keras_compat.inputs_structure(model), model.inputs)
+    instance = cls(stages, num_stages=num_stages, virtual_stages=virtual_stages, **kwargs)
+    instance._source_model = model
+    # Where the model was cut, in its own unit: nodes (layer calls) per stage, not the
+    # one GraphStage per cell the pipeline runs.
+    instance.balance = list(node_balance)
+    instance._node_balance = list(node_balance)
+    instance._build_cells(structure.spec_from(spec))
+    return instance
 
 
 class GraphStage(keras.layers.Layer):

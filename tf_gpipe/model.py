@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras import tree
 
 from tf_gpipe import keras_compat, microbatch, saving, schedules, structure, trainer, update
+from tf_gpipe.backend import check_backend
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.partition import balance_by_cost, check_tied_layers, split_by_balance, unpack_layers
@@ -22,17 +23,20 @@ __all__ = ["PipelineModel"]
 class PipelineModel(keras.Model):
     """A sequence of Keras layers split into stages on devices, trained with GPipe.
 
-    Drop-in for ``keras.Sequential(layers)``: ``compile``/``fit``/``evaluate``/
-    ``predict``/``save`` work, and the numbers match the unsplit model. Each
-    stage's variables are created on its device and its ops run there; only the
-    tensors between stages cross devices. Every mini-batch is cut into
-    ``num_micro_batches`` micro-batches that flow through the stages in the
-    fill-drain order, so stage ``k`` works on micro-batch ``m`` while stage
-    ``k-1`` works on ``m+1``. With re-materialization, each stage keeps only its
-    input per micro-batch and recomputes the rest in the backward pass, replaying
-    exactly the same dropout masks and applying BatchNormalization updates once.
-    Gradients are summed over micro-batches on each stage's device and applied
-    in one optimizer update per mini-batch.
+    Drop-in for ``keras.Sequential(layers)`` on Keras' TensorFlow backend (checked):
+    ``compile``/``fit``/``evaluate``/``predict``/``save`` work, and the numbers match the
+    unsplit model's, but for what depends on the batch or on random draws in training with
+    M > 1: dropout and augmentation draw per micro-batch (same distribution, other masks),
+    BatchNormalization normalizes per micro-batch, so only a first BatchNormalization (nothing
+    random before it) ends with the unsplit moving statistics (docs/concepts.md). Each
+    stage's variables are created on its device and its ops run there; only the tensors
+    between stages cross devices. Every mini-batch is cut into ``num_micro_batches``
+    micro-batches that flow through the stages in the fill-drain order, so stage ``k``
+    works on micro-batch ``m`` while stage ``k-1`` works on ``m+1``. With
+    re-materialization, each stage keeps only its input per micro-batch and recomputes the
+    rest in the backward pass, replaying exactly the same dropout masks and applying
+    BatchNormalization updates once. Gradients are summed over micro-batches on each
+    stage's device and applied in one optimizer update per mini-batch.
 
     Args:
         layers: Keras layers applied in order (a list, or a ``keras.Sequential``).
@@ -52,7 +56,8 @@ class PipelineModel(keras.Model):
             gradients, variable updates) is discarded. An empty mini-batch
             reaches the layers empty, as in the unsplit model.
         devices: one device string per stage. Default: visible GPUs, else
-            logical CPUs, else ``CPU:0``, assigned round-robin.
+            logical CPUs, else ``CPU:0``, assigned round-robin (with fewer devices than
+            stages, stages share one, with a warning).
         remat: ``"always"`` (re-materialize every stage), ``"except_last"`` (not
             the last stage, whose backward follows its forward at once) or
             ``"never"``.
@@ -83,10 +88,8 @@ class PipelineModel(keras.Model):
             keyword argument when its ``call`` has a parameter of that name. Side
             inputs are not differentiated.
         tick_loop: build ``fit``'s step as two loops over micro-batches (``tf_gpipe.loop``):
-            2K stage-function call sites whatever M, so the first step stops growing
-            with M (K=4 on a CPU: M=32 0.98-1.22x M=1, built out 2.3x), a steady step as fast
-            as built out on a CPU (1.03 at K=4, M=16) and as efficient on simulated serial
-            devices (benchmarks/compiled_stages/README.md). It applies to
+            2K stage-function call sites whatever M, so the first step stops growing with M
+            (figures: docs/api.md, benchmarks/compiled_stages/README.md). It applies to
             ``schedule="gpipe"``, ``remat="always"``, M >= 2, dense inputs and no timeline
             recorder; other steps are built out (one call per stage and micro-batch).
             ``"auto"`` (the default) builds the loops where they apply and every stage is on
@@ -137,6 +140,7 @@ class PipelineModel(keras.Model):
         tick_loop: bool | str = "auto",
         **kwargs: Any,
     ):
+        check_backend()  # again: keras.config.set_backend can switch it after the import
         super().__init__(**kwargs)
         if plan is not None:  # tf_gpipe.plan(...) sets these; any also given here must agree with it
             num_stages, balance, num_micro_batches, devices, remat, schedule, virtual_stages = plan.resolve(
@@ -234,7 +238,7 @@ class PipelineModel(keras.Model):
     def from_model(
         cls,
         model: keras.Model,
-        num_stages: int = 1,
+        num_stages: int | None = None,
         balance: Sequence[int] | str | None = None,
         virtual_stages: int = 1,
         **kwargs: Any,
@@ -250,8 +254,10 @@ class PipelineModel(keras.Model):
 
         Args:
             model: a functional ``keras.Model`` (or ``keras.Sequential``), built.
-            num_stages: K.
-            balance: nodes per stage, a list; or ``"params"``, ``"time"`` or ``"memory"``
+            num_stages: K; default ``len(balance) // virtual_stages`` for a list
+                ``balance``, else 1.
+            balance: nodes per stage (each call of a layer in the graph, in the order
+                Keras runs them; the inputs do not count), a list; or ``"params"``, ``"time"`` or ``"memory"``
                 to cut where the largest stage's cost (``graph.node_costs``) is smallest;
                 default an even split by node count.
             virtual_stages: as in ``PipelineModel``.
@@ -268,32 +274,7 @@ class PipelineModel(keras.Model):
         """
         from tf_gpipe import graph
 
-        if isinstance(model, keras.Sequential) and keras_compat.sequential_functional(model) is not None:
-            model = keras_compat.sequential_functional(model)
-        nodes = graph.graph_nodes(model)
-        cells = num_stages * virtual_stages
-        node_balance: list[int]
-        if balance is None:
-            node_balance = [len(g) for g in split_by_balance(nodes, cells, None)]
-        elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
-            from tf_gpipe.balance import solve_minmax
-
-            node_balance = solve_minmax(graph.node_costs(model, balance), cells)
-        else:
-            node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
-        stages = graph.split_graph(model, node_balance, name=f"{model.name}_stage")
-        spec = tree.pack_sequence_as(keras_compat.inputs_structure(model), model.inputs)
-        instance = cls(
-            stages,
-            num_stages=num_stages,
-            balance=[1] * cells,
-            virtual_stages=virtual_stages,
-            **kwargs,
-        )
-        instance._source_model = model
-        instance._node_balance = list(node_balance)
-        instance._build_cells(structure.spec_from(spec))
-        return instance
+        return graph.from_model(cls, model, num_stages, balance, virtual_stages, **kwargs)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -443,10 +424,28 @@ class PipelineModel(keras.Model):
     def from_config(cls, config: dict, custom_objects: Any = None) -> PipelineModel:
         return saving.from_config(cls, config, custom_objects)
 
+    def set_weights(self, weights: Any) -> None:
+        if not self.built:  # Keras alone would say "expecting 0 weights"
+            raise ValueError(saving.not_built("set_weights()"))
+        super().set_weights(weights)
+
     def to_sequential(self, name: str | None = None) -> keras.Sequential:
         """An unsplit ``keras.Sequential`` copy of the layers, with the current weights.
 
         Train pipelined, serve unsplit: the copy has no device placement and no
-        micro-batching, and its ``get_weights()`` equals this model's.
+        micro-batching, and its ``get_weights()`` equals this model's. A model made by
+        ``from_model`` exports with ``to_functional()`` instead.
         """
         return saving.to_sequential(self, name)
+
+    def to_functional(self, name: str | None = None) -> keras.Model:
+        """After ``from_model``: an unsplit functional copy of the source model (its
+        graph, with copies of its layers), holding the current weights.
+
+        The copy's variables are its own (training this model afterwards leaves it as
+        it is), with the source's layer names; its ``get_weights()`` equals the source
+        model's (the functional order; this model lists its weights stage by stage).
+        It predicts what this model predicts, without device placement or
+        micro-batching, and saves and loads as any functional Keras model.
+        """
+        return saving.to_functional(self, name)

@@ -122,6 +122,13 @@ def unpack_layers(layers: Any):
             spec = functional.inputs
             spec = spec[0] if isinstance(spec, list) and len(spec) == 1 else spec
         layers = layers.layers
+    elif isinstance(layers, keras.Model):
+        raise TypeError(
+            f"tf_gpipe: PipelineModel takes a list of layers or a keras.Sequential, got the model "
+            f"{layers.name!r} ({type(layers).__name__}). To split a functional model (branches, "
+            "skip connections, several inputs or outputs) into stages, use "
+            "tf_gpipe.PipelineModel.from_model(model, num_stages=...)."
+        )
     elif isinstance(layers, keras.layers.Layer):
         raise TypeError(
             "tf_gpipe: `layers` must be a list of Keras layers or a keras.Sequential, got the "

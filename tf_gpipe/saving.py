@@ -1,4 +1,4 @@
-"""Saving a PipelineModel: its config and build config, and an unsplit keras.Sequential copy."""
+"""Saving a PipelineModel: its config and build config, and an unsplit copy (Sequential or functional)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ from keras import tree
 from tf_gpipe import structure
 from tf_gpipe.devices import resolve_devices
 
-__all__ = ["build_from_config", "from_config", "get_build_config", "get_config", "to_sequential"]
+__all__ = [
+    "build_from_config",
+    "from_config",
+    "get_build_config",
+    "get_config",
+    "not_built",
+    "to_functional",
+    "to_sequential",
+]
 
 
 def get_build_config(model: Any) -> dict:
@@ -101,7 +109,13 @@ def to_sequential(model: Any, name: str | None = None) -> keras.Sequential:
     micro-batching, and its ``get_weights()`` equals the model's.
     """
     if not model.built:
-        raise ValueError("tf_gpipe: build or call the model before to_sequential().")
+        raise ValueError(not_built("to_sequential()"))
+    if model._source_model is not None:  # GraphStages are views of a graph, not layers to copy
+        raise ValueError(
+            "tf_gpipe: this model was split from a functional model by from_model, so it has "
+            "no layer list to put in a keras.Sequential; use model.to_functional() for an "
+            "unsplit copy."
+        )
     if model.side_inputs:
         raise ValueError(
             "tf_gpipe: a keras.Sequential cannot pass side inputs to its layers; export the "
@@ -117,3 +131,28 @@ def to_sequential(model: Any, name: str | None = None) -> keras.Sequential:
     seq(structure.zeros_like_spec(model._build_spec), training=False)
     seq.set_weights(model.get_weights())
     return seq
+
+
+def to_functional(model: Any, name: str | None = None) -> keras.Model:
+    """An unsplit functional copy of ``from_model``'s source model, with the current weights."""
+    source = model._source_model
+    if source is None:
+        raise ValueError(
+            "tf_gpipe: to_functional() exports a model made by PipelineModel.from_model; this "
+            "one was built from a list of layers: use model.to_sequential()."
+        )
+    # clone_model copies each layer by its config onto the same graph: the copy's variables
+    # are its own, in the source's order. The source shares this model's variables.
+    clone = keras.models.clone_model(source)
+    copy_ = keras.Model(clone.input, clone.output, name=name or f"{model.name}_functional")
+    copy_.set_weights(source.get_weights())
+    return copy_
+
+
+def not_built(what: str) -> str:
+    """The error for ``what`` on a PipelineModel that is not built yet."""
+    return (
+        f"tf_gpipe: build or call the model before {what}: its stages' weights do not exist "
+        "yet. Build it with model.build((None, ...)) (the input shape), start its layers with "
+        "keras.Input(shape=...), or call the model on a batch."
+    )
