@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from tensorflow.python.eager import context  # noqa: E402
 
 import tf_gpipe  # noqa: E402
 from tf_gpipe import cluster, loop  # noqa: E402
@@ -114,6 +115,7 @@ def equivalence(args) -> dict:
         "devices": pm.devices,
         "available": [d.name for d in tf.config.list_logical_devices()],
         "client_device": cluster.client_device(),
+        "server_cluster": {j.name: dict(j.tasks) for j in context.get_server_def().cluster.job},
         "placement": placement,
         "slot_devices": slots,
         "stage_tasks": [task_of(c.device) for c in pm.cells],
@@ -222,9 +224,10 @@ def main() -> None:
     parser.add_argument("--pause_after", type=int, default=0)
     parser.add_argument("--go_file", default="")
     parser.add_argument("--grace", type=float, default=20.0, help="WorkerWatch grace before exit")
+    parser.add_argument("--client_address", default=None, help="connect(address=...)")
     args = parser.parse_args()
     print(f"IMPORTED after {time.monotonic() - T0:.1f} s", flush=True)
-    cluster.connect()  # TF_CONFIG, set by the test
+    cluster.connect(address=args.client_address)  # TF_CONFIG, set by the test
     for scenario in args.scenarios:
         start = time.monotonic()
         summary = {"equivalence": equivalence, "replicated": replicated, "train": train}[scenario](args)

@@ -30,6 +30,7 @@ NUM_WORKERS = 2  # each with 2 logical CPUs
 STAGES = 4  # equivalence: 2 stages per worker process
 # worker_devices: task-major round-robin over the workers' logical CPUs.
 DEVICES = [f"/job:worker/replica:0/task:{k % 2}/device:CPU:{k // 2}" for k in range(STAGES)]
+CLIENT_ADDRESS = f"127.0.0.1:{cluster._free_port()}"  # the first client's own, given to connect
 TRAIN = ["train", "--stages=2"]  # fault tests: stage k on worker k (2 stages trace faster)
 
 
@@ -117,6 +118,7 @@ def first_run(workers, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("first_run")
     client = Client(
         workers,
+        f"--client_address={CLIENT_ADDRESS}",
         "equivalence",
         "replicated",
         *TRAIN,
@@ -178,6 +180,58 @@ def test_connect_gives_up_on_absent_workers_in_bounded_time():
     assert time.monotonic() - start < 10
 
 
+def _no_probes(monkeypatch):
+    """Fail the test on any attempt to reach a worker: the addresses below are not to be dialled."""
+    import importlib
+
+    module = importlib.import_module("tf_gpipe.cluster.connect")
+
+    def probe(address, timeout):
+        raise AssertionError(f"connect sent traffic to {address}")
+
+    monkeypatch.setattr(module, "_probe", probe)
+    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", probe)
+    return module
+
+
+REMOTE = "10.255.0.7:2222"  # another host's address: never dialled by these tests
+
+
+def test_connect_refuses_a_loopback_client_when_a_worker_is_remote(monkeypatch):
+    _no_probes(monkeypatch)
+    local = f"127.0.0.1:{cluster._free_port()}"
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    fix = r"a 'chief' task in TF_CONFIG .* connect\(\.\.\., address='thishost:2223'\)"
+    refusal = rf"no address on loopback \(localhost\).*task:1 is on another host \({REMOTE}\).*{fix}"
+    with pytest.raises(ValueError, match=refusal):
+        cluster.connect({"worker": [local, REMOTE]}, timeout=1.0)
+    with pytest.raises(ValueError, match=rf"'127.0.0.1:2223' on loopback.*{fix}"):
+        cluster.connect({"worker": [REMOTE]}, address="127.0.0.1:2223", timeout=1.0)
+    chief = {"cluster": {"chief": ["localhost:2223"], "worker": [REMOTE]}, "task": {"type": "chief"}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(chief))
+    with pytest.raises(ValueError, match=rf"'localhost:2223' on loopback.*{fix}"):
+        cluster.connect(timeout=1.0)
+
+
+def test_connect_joins_at_the_address_it_is_given(monkeypatch):
+    module = _no_probes(monkeypatch)
+    spec = tf.train.ClusterSpec({"worker": [REMOTE]})
+    joined, job, index = module._client_spec(spec, None, "worker", "10.255.0.9:2223")
+    assert joined.as_dict() == {"worker": [REMOTE], "client": ["10.255.0.9:2223"]}
+    assert (job, index) == ("client", 0)
+    joined, _, _ = module._client_spec(spec, None, "worker", "trainer.example")  # a free port is picked
+    assert joined.as_dict()["client"][0].startswith("trainer.example:")
+    chief = tf.train.ClusterSpec({"chief": ["10.255.0.9:2223"], "worker": [REMOTE]})
+    joined, job, index = module._client_spec(chief, {"type": "chief", "index": 0}, "worker", None)
+    assert (joined.as_dict(), job, index) == (chief.as_dict(), "chief", 0)
+    with pytest.raises(ValueError, match="Give one of them"):
+        module._client_spec(chief, {"type": "chief", "index": 0}, "worker", "10.255.0.8:2223")
+    # All on this machine: no address needed (TensorFlow adds job 'client' on localhost).
+    here = tf.train.ClusterSpec({"worker": ["127.0.0.1:1"]})
+    joined, job, _ = module._client_spec(here, None, "worker", None)
+    assert (joined.as_dict(), job) == ({"worker": ["127.0.0.1:1"]}, "client")
+
+
 # ---------------------------------------------------------------------------- real worker processes
 def test_stages_on_worker_processes_match_one_process(workers, first_run):
     client, _ = first_run
@@ -185,6 +239,7 @@ def test_stages_on_worker_processes_match_one_process(workers, first_run):
     assert s["cluster"] == workers.cluster_dict
     assert s["devices"] == DEVICES
     assert s["client_device"] == "/job:client/replica:0/task:0/device:CPU:0"
+    assert s["server_cluster"]["client"] == {"0": CLIENT_ADDRESS}  # connect(address=...) is where it listens
     # Every variable of stage k, and every optimizer slot, lives on stage k's worker device.
     for k, device in enumerate(s["devices"]):
         assert s["placement"][str(k)] == [device], s["placement"]
