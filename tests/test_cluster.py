@@ -302,6 +302,49 @@ def test_data_x_pipeline_in_one_process(cpu_devices):
         rp.train_on_batch(x[:31], y[:31])
 
 
+def test_resume_inside_an_epoch_matches_an_uninterrupted_run(cpu_devices, tmp_path):
+    """save_freq=2, stopped after step 9 of 2 epochs x 6: the restart trains steps 9-12 only."""
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(72, 8).astype("float32"), rng.randint(0, 3, 72)
+
+    def make():
+        keras.utils.set_random_seed(1)
+        layers = [keras.layers.Dense(16, activation="tanh"), keras.layers.Dropout(0.25, seed=5)]
+        model = tf_gpipe.PipelineModel(layers + [keras.layers.Dense(3)], devices=cpu_devices[:2])
+        model.build((None, 8))
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    class StopAfter(keras.callbacks.Callback):
+        def __init__(self, steps):
+            super().__init__()
+            self.steps, self.seen = steps, 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if self.seen == self.steps:
+                raise KeyboardInterrupt  # as a kill would: no epoch end, no train end
+
+    def fit(model, *callbacks):
+        model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+    reference = make()
+    fit(reference)
+    with pytest.raises(KeyboardInterrupt):
+        fit(make(), cluster.ResumableCheckpoint(str(tmp_path), save_freq=2), StopAfter(9))
+    resumed, resume = make(), cluster.ResumableCheckpoint(str(tmp_path), save_freq=2)
+    fit(resumed, resume)
+    assert (resume.restored_epoch, resume.restored_batch) == (1, 2)  # saved after step 8
+    assert int(resumed.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 12
+    for got, want in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"save_freq=0.*a positive number of steps"):
+        cluster.ResumableCheckpoint(str(tmp_path), save_freq=0)
+
+
 def test_dead_worker_clear_error_then_resume_matches_uninterrupted_run(workers, first_run, tmp_path):
     run1, tmp = first_run
     go, ckpt = tmp / "go", tmp / "ckpt"
