@@ -106,7 +106,10 @@ def equivalence(args) -> dict:
     for model in (pm, seq):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss_fn())
     built = len(LOOP_BUILDS)
+    context.enable_run_metadata()  # the partition graphs: which device runs each op of a step
     hist_pm = pm.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history["loss"]
+    metadata = context.export_run_metadata()
+    context.disable_run_metadata()
     loop_builds = len(LOOP_BUILDS) - built
     hist_seq = seq.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history["loss"]
     slots = {v.path: v.value.device for v in pm.optimizer.variables if "dense" in v.path}
@@ -128,7 +131,19 @@ def equivalence(args) -> dict:
         ),
         "max_weight_change": max(float(np.max(np.abs(a - b))) for a, b in zip(pm.get_weights(), before)),
         "loop_builds": loop_builds,
+        "op_devices": op_devices(metadata),
     }
+
+
+def op_devices(metadata) -> dict:
+    """``{op type or "adam:" op type: sorted devices}`` over a run's partition graphs."""
+    found: dict = {}
+    for function in metadata.function_graphs:
+        for graph in function.partition_graphs:
+            for node in graph.node:
+                for key in (node.op, "adam:" + node.op) if "/adam/" in f"/{node.name}" else (node.op,):
+                    found.setdefault(key, set()).add(node.device)
+    return {key: sorted(devices) for key, devices in found.items()}
 
 
 def replicated(args) -> dict:

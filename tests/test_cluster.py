@@ -250,6 +250,14 @@ def test_stages_on_worker_processes_match_one_process(workers, first_run):
     np.testing.assert_allclose(s["loss_pm"], s["loss_seq"], rtol=1e-5)
     assert s["max_weight_diff_after_fit"] < 1e-4 and s["max_weight_change"] > 1e-2, s
     assert s["loop_builds"] >= 1  # fit's step ran as the loops over clock ticks (the default here)
+    # Where fit's step ran (its partition graphs), as docs/cluster.md "What runs where" says.
+    ops, client = s["op_devices"], s["client_device"]
+    matmuls = {d for op, devices in ops.items() if "MatMul" in op for d in devices}  # oneDNN's too
+    assert matmuls == set(DEVICES), ops  # each stage's forward and backward
+    assert ops["SparseSoftmaxCrossEntropyWithLogits"] == [DEVICES[-1]]  # the loss: last stage
+    assert ops["IteratorGetNext"] == [client]  # the input pipeline
+    assert ops["SplitV"] == [client]  # cutting the batch into micro-batches
+    assert set(ops["adam:AssignSubVariableOp"]) == set(DEVICES)  # the writes into the variables
 
 
 def test_data_x_pipeline_replicas_on_two_workers(first_run):
