@@ -179,19 +179,28 @@ def replicated(args) -> dict:
 
 
 class Pause(keras.callbacks.Callback):
-    """After epoch ``after`` (0-based count of finished epochs), wait for the test's go file."""
+    """After epoch ``after`` (count of finished epochs), or after training step ``after_step``
+    of the run, wait for the test's go file."""
 
-    def __init__(self, after: int, go_file: str):
+    def __init__(self, after: int, go_file: str, after_step: int = 0):
         super().__init__()
-        self.after, self.go_file = after, go_file
+        self.after, self.go_file, self.after_step, self.steps = after, go_file, after_step, 0
+
+    def _pause(self):
+        print("PAUSED", flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.go_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps == self.after_step:
+            self._pause()
 
     def on_epoch_end(self, epoch, logs=None):
         print(f"EPOCH_DONE {epoch + 1}", flush=True)
         if epoch + 1 == self.after:
-            print("PAUSED", flush=True)
-            deadline = time.monotonic() + 120
-            while not os.path.exists(self.go_file) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._pause()
 
 
 def fit_pipeline(args, directory: str, pause: bool) -> tuple:
@@ -201,8 +210,9 @@ def fit_pipeline(args, directory: str, pause: bool) -> tuple:
     )
     pm.build((None, x.shape[1]))  # ResumableCheckpoint restores before the first step
     pm.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss_fn())
-    resume = cluster.ResumableCheckpoint(directory)
-    callbacks = [resume] + ([Pause(args.pause_after, args.go_file)] if pause else [])
+    save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
+    resume = cluster.ResumableCheckpoint(directory, save_freq=save_freq)
+    callbacks = [resume] + ([Pause(args.pause_after, args.go_file, args.pause_after_step)] if pause else [])
     with cluster.watch_workers(probe_interval=0.5, probe_timeout=2.0, grace=args.grace) as watch:
         callbacks.append(watch)
         pm.fit(x, y, batch_size=24, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
@@ -211,12 +221,13 @@ def fit_pipeline(args, directory: str, pause: bool) -> tuple:
 
 def train(args) -> dict:
     try:
-        pm, resume = fit_pipeline(args, args.ckpt, pause=args.pause_after > 0)
+        pm, resume = fit_pipeline(args, args.ckpt, pause=args.pause_after > 0 or args.pause_after_step > 0)
     except cluster.WorkerFailedError as e:
         print(f"WORKER_FAILED {e}", flush=True)
         sys.exit(EXIT_WORKER_FAILED)
     summary = {
         "restored_epoch": resume.restored_epoch,
+        "restored_batch": resume.restored_batch,
         "iterations": int(pm.optimizer.iterations.numpy()),
         "weights": [w.tolist() for w in pm.get_weights()],
         "placement": [sorted({v.value.device for v in c.trainable_variables}) for c in pm.cells],
@@ -237,6 +248,8 @@ def main() -> None:
     parser.add_argument("--ckpt", default="")
     parser.add_argument("--reference_ckpt", default="")
     parser.add_argument("--pause_after", type=int, default=0)
+    parser.add_argument("--pause_after_step", type=int, default=0)
+    parser.add_argument("--save_freq", default="epoch", help="ResumableCheckpoint(save_freq=...)")
     parser.add_argument("--go_file", default="")
     parser.add_argument("--grace", type=float, default=20.0, help="WorkerWatch grace before exit")
     parser.add_argument("--client_address", default=None, help="connect(address=...)")

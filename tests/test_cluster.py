@@ -125,7 +125,8 @@ def first_run(workers, tmp_path_factory):
         f"--equivalence_stages={STAGES}",
         f"--ckpt={tmp / 'ckpt'}",
         "--epochs=4",
-        "--pause_after=2",
+        "--save_freq=2",
+        "--pause_after_step=10",  # epoch 3's second step: saved there, then the crash
         f"--go_file={tmp / 'go'}",
     )
     workers.start()  # the workers start while the client imports TensorFlow
@@ -368,18 +369,23 @@ def test_dead_worker_clear_error_then_resume_matches_uninterrupted_run(workers, 
     print(f"dead worker: WorkerFailedError {elapsed:.1f} s after the crash:\n{failed}")
     assert elapsed < 30, elapsed
 
-    # Restart the worker and the script: it resumes after epoch 2 and ends where a run
+    # Restart the worker and the script: it resumes after step 10 and ends where a run
     # that was never interrupted ends (same cluster, same data, fresh checkpoint dir).
     # In the documented order: the worker first, then the script. (Started the other way
     # round, the client could connect while the worker was still coming up and fail with
     # UnavailableError in training: seen once in CI.)
     workers.restart(1)
     run2 = Client(
-        workers, *TRAIN, f"--ckpt={ckpt}", "--epochs=4", f"--reference_ckpt={tmp_path / 'reference'}"
+        workers,
+        *TRAIN,
+        f"--ckpt={ckpt}",
+        "--epochs=4",
+        "--save_freq=2",
+        f"--reference_ckpt={tmp_path / 'reference'}",
     )
     assert run2.wait(180) == 0, run2.output[-4000:]
     s = run2.summary("train")
-    assert s["restored_epoch"] == 2
+    assert (s["restored_epoch"], s["restored_batch"]) == (2, 2)  # after step 10, inside epoch 3
     assert s["iterations"] == s["reference_iterations"] == 4 * 4  # 96 examples / 24 per batch
     for got, want in zip(s["weights"], s["reference_weights"]):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
