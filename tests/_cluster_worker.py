@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from tensorflow.python.eager import context  # noqa: E402
 
 import tf_gpipe  # noqa: E402
 from tf_gpipe import cluster, loop  # noqa: E402
@@ -105,7 +106,10 @@ def equivalence(args) -> dict:
     for model in (pm, seq):
         model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss_fn())
     built = len(LOOP_BUILDS)
+    context.enable_run_metadata()  # the partition graphs: which device runs each op of a step
     hist_pm = pm.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history["loss"]
+    metadata = context.export_run_metadata()
+    context.disable_run_metadata()
     loop_builds = len(LOOP_BUILDS) - built
     hist_seq = seq.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history["loss"]
     slots = {v.path: v.value.device for v in pm.optimizer.variables if "dense" in v.path}
@@ -114,6 +118,7 @@ def equivalence(args) -> dict:
         "devices": pm.devices,
         "available": [d.name for d in tf.config.list_logical_devices()],
         "client_device": cluster.client_device(),
+        "server_cluster": {j.name: dict(j.tasks) for j in context.get_server_def().cluster.job},
         "placement": placement,
         "slot_devices": slots,
         "stage_tasks": [task_of(c.device) for c in pm.cells],
@@ -126,7 +131,19 @@ def equivalence(args) -> dict:
         ),
         "max_weight_change": max(float(np.max(np.abs(a - b))) for a, b in zip(pm.get_weights(), before)),
         "loop_builds": loop_builds,
+        "op_devices": op_devices(metadata),
     }
+
+
+def op_devices(metadata) -> dict:
+    """``{op type or "adam:" op type: sorted devices}`` over a run's partition graphs."""
+    found: dict = {}
+    for function in metadata.function_graphs:
+        for graph in function.partition_graphs:
+            for node in graph.node:
+                for key in (node.op, "adam:" + node.op) if "/adam/" in f"/{node.name}" else (node.op,):
+                    found.setdefault(key, set()).add(node.device)
+    return {key: sorted(devices) for key, devices in found.items()}
 
 
 def replicated(args) -> dict:
@@ -162,19 +179,28 @@ def replicated(args) -> dict:
 
 
 class Pause(keras.callbacks.Callback):
-    """After epoch ``after`` (0-based count of finished epochs), wait for the test's go file."""
+    """After epoch ``after`` (count of finished epochs), or after training step ``after_step``
+    of the run, wait for the test's go file."""
 
-    def __init__(self, after: int, go_file: str):
+    def __init__(self, after: int, go_file: str, after_step: int = 0):
         super().__init__()
-        self.after, self.go_file = after, go_file
+        self.after, self.go_file, self.after_step, self.steps = after, go_file, after_step, 0
+
+    def _pause(self):
+        print("PAUSED", flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.go_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+        if self.steps == self.after_step:
+            self._pause()
 
     def on_epoch_end(self, epoch, logs=None):
         print(f"EPOCH_DONE {epoch + 1}", flush=True)
         if epoch + 1 == self.after:
-            print("PAUSED", flush=True)
-            deadline = time.monotonic() + 120
-            while not os.path.exists(self.go_file) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._pause()
 
 
 def fit_pipeline(args, directory: str, pause: bool) -> tuple:
@@ -184,8 +210,9 @@ def fit_pipeline(args, directory: str, pause: bool) -> tuple:
     )
     pm.build((None, x.shape[1]))  # ResumableCheckpoint restores before the first step
     pm.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss_fn())
-    resume = cluster.ResumableCheckpoint(directory)
-    callbacks = [resume] + ([Pause(args.pause_after, args.go_file)] if pause else [])
+    save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
+    resume = cluster.ResumableCheckpoint(directory, save_freq=save_freq)
+    callbacks = [resume] + ([Pause(args.pause_after, args.go_file, args.pause_after_step)] if pause else [])
     with cluster.watch_workers(probe_interval=0.5, probe_timeout=2.0, grace=args.grace) as watch:
         callbacks.append(watch)
         pm.fit(x, y, batch_size=24, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
@@ -194,12 +221,13 @@ def fit_pipeline(args, directory: str, pause: bool) -> tuple:
 
 def train(args) -> dict:
     try:
-        pm, resume = fit_pipeline(args, args.ckpt, pause=args.pause_after > 0)
+        pm, resume = fit_pipeline(args, args.ckpt, pause=args.pause_after > 0 or args.pause_after_step > 0)
     except cluster.WorkerFailedError as e:
         print(f"WORKER_FAILED {e}", flush=True)
         sys.exit(EXIT_WORKER_FAILED)
     summary = {
         "restored_epoch": resume.restored_epoch,
+        "restored_batch": resume.restored_batch,
         "iterations": int(pm.optimizer.iterations.numpy()),
         "weights": [w.tolist() for w in pm.get_weights()],
         "placement": [sorted({v.value.device for v in c.trainable_variables}) for c in pm.cells],
@@ -220,11 +248,14 @@ def main() -> None:
     parser.add_argument("--ckpt", default="")
     parser.add_argument("--reference_ckpt", default="")
     parser.add_argument("--pause_after", type=int, default=0)
+    parser.add_argument("--pause_after_step", type=int, default=0)
+    parser.add_argument("--save_freq", default="epoch", help="ResumableCheckpoint(save_freq=...)")
     parser.add_argument("--go_file", default="")
     parser.add_argument("--grace", type=float, default=20.0, help="WorkerWatch grace before exit")
+    parser.add_argument("--client_address", default=None, help="connect(address=...)")
     args = parser.parse_args()
     print(f"IMPORTED after {time.monotonic() - T0:.1f} s", flush=True)
-    cluster.connect()  # TF_CONFIG, set by the test
+    cluster.connect(address=args.client_address)  # TF_CONFIG, set by the test
     for scenario in args.scenarios:
         start = time.monotonic()
         summary = {"equivalence": equivalence, "replicated": replicated, "train": train}[scenario](args)

@@ -30,6 +30,7 @@ NUM_WORKERS = 2  # each with 2 logical CPUs
 STAGES = 4  # equivalence: 2 stages per worker process
 # worker_devices: task-major round-robin over the workers' logical CPUs.
 DEVICES = [f"/job:worker/replica:0/task:{k % 2}/device:CPU:{k // 2}" for k in range(STAGES)]
+CLIENT_ADDRESS = f"127.0.0.1:{cluster._free_port()}"  # the first client's own, given to connect
 TRAIN = ["train", "--stages=2"]  # fault tests: stage k on worker k (2 stages trace faster)
 
 
@@ -117,13 +118,15 @@ def first_run(workers, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("first_run")
     client = Client(
         workers,
+        f"--client_address={CLIENT_ADDRESS}",
         "equivalence",
         "replicated",
         *TRAIN,
         f"--equivalence_stages={STAGES}",
         f"--ckpt={tmp / 'ckpt'}",
         "--epochs=4",
-        "--pause_after=2",
+        "--save_freq=2",
+        "--pause_after_step=10",  # epoch 3's second step: saved there, then the crash
         f"--go_file={tmp / 'go'}",
     )
     workers.start()  # the workers start while the client imports TensorFlow
@@ -178,6 +181,58 @@ def test_connect_gives_up_on_absent_workers_in_bounded_time():
     assert time.monotonic() - start < 10
 
 
+def _no_probes(monkeypatch):
+    """Fail the test on any attempt to reach a worker: the addresses below are not to be dialled."""
+    import importlib
+
+    module = importlib.import_module("tf_gpipe.cluster.connect")
+
+    def probe(address, timeout):
+        raise AssertionError(f"connect sent traffic to {address}")
+
+    monkeypatch.setattr(module, "_probe", probe)
+    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", probe)
+    return module
+
+
+REMOTE = "10.255.0.7:2222"  # another host's address: never dialled by these tests
+
+
+def test_connect_refuses_a_loopback_client_when_a_worker_is_remote(monkeypatch):
+    _no_probes(monkeypatch)
+    local = f"127.0.0.1:{cluster._free_port()}"
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    fix = r"a 'chief' task in TF_CONFIG .* connect\(\.\.\., address='thishost:2223'\)"
+    refusal = rf"no address on loopback \(localhost\).*task:1 is on another host \({REMOTE}\).*{fix}"
+    with pytest.raises(ValueError, match=refusal):
+        cluster.connect({"worker": [local, REMOTE]}, timeout=1.0)
+    with pytest.raises(ValueError, match=rf"'127.0.0.1:2223' on loopback.*{fix}"):
+        cluster.connect({"worker": [REMOTE]}, address="127.0.0.1:2223", timeout=1.0)
+    chief = {"cluster": {"chief": ["localhost:2223"], "worker": [REMOTE]}, "task": {"type": "chief"}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(chief))
+    with pytest.raises(ValueError, match=rf"'localhost:2223' on loopback.*{fix}"):
+        cluster.connect(timeout=1.0)
+
+
+def test_connect_joins_at_the_address_it_is_given(monkeypatch):
+    module = _no_probes(monkeypatch)
+    spec = tf.train.ClusterSpec({"worker": [REMOTE]})
+    joined, job, index = module._client_spec(spec, None, "worker", "10.255.0.9:2223")
+    assert joined.as_dict() == {"worker": [REMOTE], "client": ["10.255.0.9:2223"]}
+    assert (job, index) == ("client", 0)
+    joined, _, _ = module._client_spec(spec, None, "worker", "trainer.example")  # a free port is picked
+    assert joined.as_dict()["client"][0].startswith("trainer.example:")
+    chief = tf.train.ClusterSpec({"chief": ["10.255.0.9:2223"], "worker": [REMOTE]})
+    joined, job, index = module._client_spec(chief, {"type": "chief", "index": 0}, "worker", None)
+    assert (joined.as_dict(), job, index) == (chief.as_dict(), "chief", 0)
+    with pytest.raises(ValueError, match="Give one of them"):
+        module._client_spec(chief, {"type": "chief", "index": 0}, "worker", "10.255.0.8:2223")
+    # All on this machine: no address needed (TensorFlow adds job 'client' on localhost).
+    here = tf.train.ClusterSpec({"worker": ["127.0.0.1:1"]})
+    joined, job, _ = module._client_spec(here, None, "worker", None)
+    assert (joined.as_dict(), job) == ({"worker": ["127.0.0.1:1"]}, "client")
+
+
 # ---------------------------------------------------------------------------- real worker processes
 def test_stages_on_worker_processes_match_one_process(workers, first_run):
     client, _ = first_run
@@ -185,6 +240,7 @@ def test_stages_on_worker_processes_match_one_process(workers, first_run):
     assert s["cluster"] == workers.cluster_dict
     assert s["devices"] == DEVICES
     assert s["client_device"] == "/job:client/replica:0/task:0/device:CPU:0"
+    assert s["server_cluster"]["client"] == {"0": CLIENT_ADDRESS}  # connect(address=...) is where it listens
     # Every variable of stage k, and every optimizer slot, lives on stage k's worker device.
     for k, device in enumerate(s["devices"]):
         assert s["placement"][str(k)] == [device], s["placement"]
@@ -195,6 +251,14 @@ def test_stages_on_worker_processes_match_one_process(workers, first_run):
     np.testing.assert_allclose(s["loss_pm"], s["loss_seq"], rtol=1e-5)
     assert s["max_weight_diff_after_fit"] < 1e-4 and s["max_weight_change"] > 1e-2, s
     assert s["loop_builds"] >= 1  # fit's step ran as the loops over clock ticks (the default here)
+    # Where fit's step ran (its partition graphs), as docs/cluster.md "What runs where" says.
+    ops, client = s["op_devices"], s["client_device"]
+    matmuls = {d for op, devices in ops.items() if "MatMul" in op for d in devices}  # oneDNN's too
+    assert matmuls == set(DEVICES), ops  # each stage's forward and backward
+    assert ops["SparseSoftmaxCrossEntropyWithLogits"] == [DEVICES[-1]]  # the loss: last stage
+    assert ops["IteratorGetNext"] == [client]  # the input pipeline
+    assert ops["SplitV"] == [client]  # cutting the batch into micro-batches
+    assert set(ops["adam:AssignSubVariableOp"]) == set(DEVICES)  # the writes into the variables
 
 
 def test_data_x_pipeline_replicas_on_two_workers(first_run):
@@ -247,6 +311,49 @@ def test_data_x_pipeline_in_one_process(cpu_devices):
         rp.train_on_batch(x[:31], y[:31])
 
 
+def test_resume_inside_an_epoch_matches_an_uninterrupted_run(cpu_devices, tmp_path):
+    """save_freq=2, stopped after step 9 of 2 epochs x 6: the restart trains steps 9-12 only."""
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(72, 8).astype("float32"), rng.randint(0, 3, 72)
+
+    def make():
+        keras.utils.set_random_seed(1)
+        layers = [keras.layers.Dense(16, activation="tanh"), keras.layers.Dropout(0.25, seed=5)]
+        model = tf_gpipe.PipelineModel(layers + [keras.layers.Dense(3)], devices=cpu_devices[:2])
+        model.build((None, 8))
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    class StopAfter(keras.callbacks.Callback):
+        def __init__(self, steps):
+            super().__init__()
+            self.steps, self.seen = steps, 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if self.seen == self.steps:
+                raise KeyboardInterrupt  # as a kill would: no epoch end, no train end
+
+    def fit(model, *callbacks):
+        model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+    reference = make()
+    fit(reference)
+    with pytest.raises(KeyboardInterrupt):
+        fit(make(), cluster.ResumableCheckpoint(str(tmp_path), save_freq=2), StopAfter(9))
+    resumed, resume = make(), cluster.ResumableCheckpoint(str(tmp_path), save_freq=2)
+    fit(resumed, resume)
+    assert (resume.restored_epoch, resume.restored_batch) == (1, 2)  # saved after step 8
+    assert int(resumed.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 12
+    for got, want in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"save_freq=0.*a positive number of steps"):
+        cluster.ResumableCheckpoint(str(tmp_path), save_freq=0)
+
+
 def test_dead_worker_clear_error_then_resume_matches_uninterrupted_run(workers, first_run, tmp_path):
     run1, tmp = first_run
     go, ckpt = tmp / "go", tmp / "ckpt"
@@ -262,18 +369,23 @@ def test_dead_worker_clear_error_then_resume_matches_uninterrupted_run(workers, 
     print(f"dead worker: WorkerFailedError {elapsed:.1f} s after the crash:\n{failed}")
     assert elapsed < 30, elapsed
 
-    # Restart the worker and the script: it resumes after epoch 2 and ends where a run
+    # Restart the worker and the script: it resumes after step 10 and ends where a run
     # that was never interrupted ends (same cluster, same data, fresh checkpoint dir).
     # In the documented order: the worker first, then the script. (Started the other way
     # round, the client could connect while the worker was still coming up and fail with
     # UnavailableError in training: seen once in CI.)
     workers.restart(1)
     run2 = Client(
-        workers, *TRAIN, f"--ckpt={ckpt}", "--epochs=4", f"--reference_ckpt={tmp_path / 'reference'}"
+        workers,
+        *TRAIN,
+        f"--ckpt={ckpt}",
+        "--epochs=4",
+        "--save_freq=2",
+        f"--reference_ckpt={tmp_path / 'reference'}",
     )
     assert run2.wait(180) == 0, run2.output[-4000:]
     s = run2.summary("train")
-    assert s["restored_epoch"] == 2
+    assert (s["restored_epoch"], s["restored_batch"]) == (2, 2)  # after step 10, inside epoch 3
     assert s["iterations"] == s["reference_iterations"] == 4 * 4  # 96 examples / 24 per batch
     for got, want in zip(s["weights"], s["reference_weights"]):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
