@@ -259,6 +259,9 @@ def test_stages_on_worker_processes_match_one_process(workers, first_run):
     assert ops["IteratorGetNext"] == [client]  # the input pipeline
     assert ops["SplitV"] == [client]  # cutting the batch into micro-batches
     assert set(ops["adam:AssignSubVariableOp"]) == set(DEVICES)  # the writes into the variables
+    # The whole update, its arithmetic too, on the stages' workers (tf_gpipe/update.py).
+    adam = {op: devices for op, devices in ops.items() if op.startswith("adam:")}
+    assert len(adam) > 5 and not [op for op, devices in adam.items() if client in devices], adam
 
 
 def test_data_x_pipeline_replicas_on_two_workers(first_run):
