@@ -104,7 +104,11 @@ def child() -> None:
 
     def make():
         keras.utils.set_random_seed(0)
-        return [keras.layers.Dense(W, activation="relu"), keras.layers.Dense(W, activation="relu"), keras.layers.Dense(10)]
+        return [
+            keras.layers.Dense(W, activation="relu"),
+            keras.layers.Dense(W, activation="relu"),
+            keras.layers.Dense(10),
+        ]
 
     def measure(run, name, **info):
         for _ in range(2):  # traces, first connections
@@ -116,7 +120,9 @@ def child() -> None:
         harness.emit(dict(scenario=name, **info, **result))
 
     # R x K=1: the averaging alone, then whole steps.
-    rp = cluster.ReplicatedPipeline(make, [[d] for d in devices], input_shape=(None, W), num_micro_batches=FLAGS.micro_batches)
+    rp = cluster.ReplicatedPipeline(
+        make, [[d] for d in devices], input_shape=(None, W), num_micro_batches=FLAGS.micro_batches
+    )
     rp.compile(optimizer=keras.optimizers.SGD(1e-3), loss=loss)
     variables = [r.trainable_variables for r in rp.replicas]
     P = 4 * sum(int(np.prod(v.shape)) for v in variables[0])
@@ -140,7 +146,9 @@ def child() -> None:
     # K=2, Adam, one replica: stage k on worker k.
     boundary = 4 * N * W  # the activation between the stages, and its gradient
     needed = 4 * N * W + 4 * N + 2 * boundary + 2 * 4 * N * 10  # input, labels, boundary, logits
-    pm = tf_gpipe.PipelineModel(make(), devices=devices[:2], balance=[1, 2], num_micro_batches=FLAGS.micro_batches)
+    pm = tf_gpipe.PipelineModel(
+        make(), devices=devices[:2], balance=[1, 2], num_micro_batches=FLAGS.micro_batches
+    )
     pm.build((None, W))
     pm.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     P2 = 4 * sum(int(np.prod(v.shape)) for v in pm.trainable_variables)
@@ -165,9 +173,22 @@ def tables(rows: list[dict]) -> None:
         target = 2 * (R - 1) / R * P
         for name, t in sorted(r["processes"].items()):
             worst = max(t["sent"], t["received"])
-            ok = "yes" if name == "client" or worst <= 1.1 * target else "no"
-            out.append([r["scenario"], name, mb(t["sent"]), mb(t["received"]), mb(target), f"{worst / target:.2f}", ok])
-    harness.print_table("scenario|process|MB sent/step|MB received/step|2(R-1)/R x P (MB)|max / target|within +10%", out)
+            ok = "-" if name == "client" else "yes" if worst <= 1.1 * target else "no"
+            out.append(
+                [
+                    r["scenario"],
+                    name,
+                    mb(t["sent"]),
+                    mb(t["received"]),
+                    mb(target),
+                    f"{worst / target:.2f}",
+                    ok,
+                ]
+            )
+    harness.print_table(
+        "scenario|process|MB sent/step|MB received/step|2(R-1)/R x P (MB)|max / target|worker within +10%",
+        out,
+    )
     out = []
     for r in rows:
         if "needed" not in r:
@@ -175,7 +196,17 @@ def tables(rows: list[dict]) -> None:
         total = sum(t["sent"] for t in r["processes"].values())
         per = ", ".join(f"{n} {mb(t['sent'])}/{mb(t['received'])}" for n, t in sorted(r["processes"].items()))
         ratio = total / r["needed"]
-        out.append([r["scenario"], mb(r["needed"]), mb(total), f"{ratio:.2f}", "yes" if ratio <= 1.2 else "no", mb(r["P"]), per])
+        out.append(
+            [
+                r["scenario"],
+                mb(r["needed"]),
+                mb(total),
+                f"{ratio:.2f}",
+                "yes" if ratio <= 1.2 else "no",
+                mb(r["P"]),
+                per,
+            ]
+        )
     harness.print_table(
         "scenario|input+labels+boundary+logits (MB)|MB sent/step, all processes|ratio|within 1.2x|P (MB)|sent/received per process (MB)",
         out,
