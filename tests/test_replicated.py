@@ -212,3 +212,13 @@ def test_the_all_reduce_moves_no_gradient_between_devices_but_its_own(cpu_device
     for replica in rp.replicas:
         for w in replica.get_weights():
             np.testing.assert_array_equal(w, np.full_like(w, 1.5))
+
+
+def test_replicas_of_different_layers_are_refused_with_the_fix(cpu_devices):
+    widths = iter([16, 8])
+
+    def make():  # a different width on each call: the replicas' weights cannot be averaged
+        return [keras.layers.Dense(next(widths)), keras.layers.Dense(3)]
+
+    with pytest.raises(ValueError, match=r"replica 1's weights differ in shape.*same layers each call"):
+        cluster.ReplicatedPipeline(make, [cpu_devices[0:2], cpu_devices[2:4]], input_shape=(None, 8))

@@ -208,7 +208,8 @@ def tables(rows: list[dict]) -> None:
             ]
         )
     harness.print_table(
-        "scenario|input+labels+boundary+logits (MB)|MB sent/step, all processes|ratio|within 1.2x|P (MB)|sent/received per process (MB)",
+        "scenario|input+labels+boundary+logits (MB)|MB sent/step, all processes|ratio|within 1.2x"
+        "|P (MB)|sent/received per process (MB)",
         out,
     )
     out = [[r["scenario"], link, mb(b)] for r in rows for link, b in sorted(r["links"].items()) if b > 1e3]

@@ -81,10 +81,11 @@ class ReplicatedPipeline(keras.Model):
         """Build every replica on its devices and give them replica 0's weights."""
         for replica in self.replicas:
             replica.build(input_shape)
+        # Checks first that the replicas are alike, with a message naming the fix.
+        self._all_reduce = _StageAllReduce([r.trainable_variables for r in self.replicas])
         weights = self.replicas[0].get_weights()
         for replica in self.replicas[1:]:
             replica.set_weights(weights)
-        self._all_reduce = _StageAllReduce([r.trainable_variables for r in self.replicas])
         self.built = True
         if getattr(self, "optimizer", None) is not None:
             self._build_gradient_sums()
@@ -105,7 +106,7 @@ class ReplicatedPipeline(keras.Model):
             self._build_gradient_sums()
 
     def train_step(self, data: Any) -> dict:
-        if not self.built:
+        if not self.built or self._all_reduce is None:
             raise ValueError(
                 "tf_gpipe: build the ReplicatedPipeline first (input_shape=... or "
                 "model.build(input_shape)) so that every replica starts from the same weights."
