@@ -1,10 +1,13 @@
-"""cluster.ReplicatedPipeline in one process: R=2 replicas x K=2 stages on the 4 logical
-CPUs, each replica's shard run by the training engine of PipelineModel.fit."""
+"""cluster.ReplicatedPipeline in one process: R=2 replicas x K=2 stages (and R=4 x K=1) on
+the 4 logical CPUs, each replica's shard run by the training engine of PipelineModel.fit,
+the stages' gradients averaged by collective all-reduces on the stages' own devices."""
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import assert_all_close, data
+from tensorflow.python.eager import context
 
 from tf_gpipe import cluster, schedules, timeline
 
@@ -23,11 +26,10 @@ def _make(bn=False, out_dtype=None, regularizer=None):
     return make
 
 
-def _pair(devices, make, **kwargs):
+def _pair(devices, make, groups=None, **kwargs):
     """A ReplicatedPipeline and a keras.Sequential of the same layers and weights, compiled alike."""
-    rp = cluster.ReplicatedPipeline(
-        make, [devices[0:K], devices[K : 2 * K]], input_shape=(None, 8), num_micro_batches=M, **kwargs
-    )
+    groups = groups or [devices[0:K], devices[K : 2 * K]]
+    rp = cluster.ReplicatedPipeline(make, groups, input_shape=(None, 8), num_micro_batches=M, **kwargs)
     seq = keras.Sequential(make())
     seq.build((None, 8))
     seq.set_weights(rp.replicas[0].get_weights())
@@ -116,3 +118,107 @@ def test_mixed_float16_scales_the_loss_and_equals_the_unsplit_step(cpu_devices, 
     np.testing.assert_allclose(loss_rp, loss_seq, rtol=tol)
     assert_all_close(rp.replicas[0].get_weights(), seq.get_weights(), rtol=tol, atol=tol)
     assert max(np.abs(a - b).max() for a, b in zip(before, seq.get_weights())) > 10 * tol
+
+
+def _devices(spec):
+    d = tf.DeviceSpec.from_string(spec)
+    return d.device_type, d.device_index
+
+
+def test_four_replicas_of_one_stage_stay_identical_and_equal_the_unsplit_steps(cpu_devices):
+    rp, seq = _pair(cpu_devices, _make(), groups=[[d] for d in cpu_devices])  # R=4 x K=1
+    x, y = data(40)  # shards of 10 examples
+    before = seq.get_weights()
+    for _ in range(3):
+        loss_rp = rp.train_on_batch(x, y)
+        loss_seq = seq.train_on_batch(x, y)
+    np.testing.assert_allclose(loss_rp, loss_seq, rtol=1e-5)
+    assert_all_close(rp.replicas[0].get_weights(), seq.get_weights())
+    for replica in rp.replicas[1:]:
+        for a, b in zip(rp.replicas[0].get_weights(), replica.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    assert max(np.abs(a - b).max() for a, b in zip(before, seq.get_weights())) > 1e-2
+
+
+def _partition_graphs(fn):
+    """The partition graphs (one per device) of the functions ``fn()`` runs."""
+    context.enable_run_metadata()
+    try:
+        fn()
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_run_metadata()
+    return [g for f in metadata.function_graphs for g in f.partition_graphs]
+
+
+@pytest.mark.parametrize("shape", ["2x2", "4x1"])
+def test_each_stage_all_reduces_one_packed_buffer_on_its_replicas_devices(cpu_devices, shape):
+    R, K_ = map(int, shape.split("x"))
+    groups = [cpu_devices[r * K_ : (r + 1) * K_] for r in range(R)]
+    rp, _ = _pair(cpu_devices, _make(), groups=groups)
+    x, y = data(10 * R)
+    graphs = _partition_graphs(lambda: rp.train_on_batch(x, y))
+    collectives = [n for g in graphs for n in g.node if n.op == "CollectiveReduceV2"]
+    # One all-reduce per device, i.e. per stage of each replica: the stage's gradients
+    # travel as one buffer.
+    assert sorted(_devices(n.device) for n in collectives) == sorted(_devices(d) for d in cpu_devices)
+    for g in graphs:
+        nodes = {n.name: n for n in g.node}
+        for n in g.node:
+            if n.op == "CollectiveReduceV2":
+                # The buffer is packed on the collective's own device from gradients
+                # computed there: no gradient comes in from another device first.
+                packed = nodes[n.input[0]]
+                assert packed.op == "ConcatV2" and packed.device == n.device
+                assert not any(nodes[i.split(":")[0]].op == "_Recv" for i in packed.input), packed
+                size = nodes[n.input[1]]
+                assert size.op == "Const" and size.attr["value"].tensor.int_val == [R]
+
+
+def test_the_all_reduce_moves_no_gradient_between_devices_but_its_own(cpu_devices):
+    """The averaging alone, on gradients that live on the stages' devices: every device
+    ends with the mean and no device ships its gradient to another as a tensor
+    (ReductionToOneDevice would: to the first replica's device and back)."""
+    groups = [cpu_devices[0:2], cpu_devices[2:4]]
+    rp, _ = _pair(cpu_devices, _make(), groups=groups)
+    variables = [r.trainable_variables for r in rp.replicas]
+
+    @tf.function
+    def step(fills):
+        grads = []
+        for r, replica in enumerate(variables):
+            row = []
+            for v in replica:
+                with tf.device(v.value.device):
+                    row.append(tf.fill(v.shape, fills[r]))
+            grads.append(row)
+        for replica, means in zip(variables, rp._all_reduce.mean(grads)):
+            for v, mean in zip(replica, means):
+                with tf.device(v.value.device):
+                    v.assign(mean)
+
+    # Only step's own graphs (those that read its argument): other functions that run
+    # meanwhile may be recorded too.
+    graphs = _partition_graphs(lambda: step(tf.constant([1.0, 2.0])))
+    graphs = [g for g in graphs if any(n.name.startswith("fills") for n in g.node)]
+    assert len(graphs) == 4
+    for g in graphs:
+        moved = [
+            n
+            for n in g.node
+            if n.op in ("_Send", "_Recv", "_HostSend", "_HostRecv") and n.attr["_src"].s != b"fills"
+        ]  # the fill values go out from the caller's device: only gradients count
+        assert not moved, [(n.op, n.device, n.attr["_src"].s, n.attr["_dst"].s) for n in moved]
+    for replica in rp.replicas:
+        for w in replica.get_weights():
+            np.testing.assert_array_equal(w, np.full_like(w, 1.5))
+
+
+def test_replicas_of_different_layers_are_refused_with_the_fix(cpu_devices):
+    widths = iter([16, 8])
+
+    def make():  # a different width on each call: the replicas' weights cannot be averaged
+        return [keras.layers.Dense(next(widths)), keras.layers.Dense(3)]
+
+    with pytest.raises(ValueError, match=r"replica 1's weights differ in shape.*same layers each call"):
+        cluster.ReplicatedPipeline(make, [cpu_devices[0:2], cpu_devices[2:4]], input_shape=(None, 8))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import keras_compat, trainer
@@ -21,12 +23,15 @@ class ReplicatedPipeline(keras.Model):
     cuts the global batch into R equal shards, each replica computes its shard's loss
     and gradients through its own pipeline as ``PipelineModel.fit`` does (micro-batches,
     ``schedule``, re-materialization, deferred BatchNormalization, mixed-precision loss
-    scaling by this model's optimizer), ``tf.distribute.ReductionToOneDevice`` averages
-    each variable's R gradients and sends the mean back to every replica's device (an
-    all-reduce through TensorFlow's runtime), and one optimizer applies the same update
-    to every copy: the replicas stay identical, and the step equals one pipeline's step
-    on the whole batch (for losses that average over examples; BatchNormalization
-    statistics and dropout masks are per shard). ``predict``/``evaluate`` run replica 0.
+    scaling by this model's optimizer), then the R copies of each stage average their
+    gradients with one collective all-reduce (``CollectiveReduceV2``: a ring between
+    CPUs, NCCL between GPUs) of the stage's gradients packed into one buffer, run on the
+    R devices of that stage, so every device sends and receives about
+    ``2 (R-1) / R`` times the stage's parameters and none gathers the others'. One
+    optimizer applies the same update to every copy: the replicas stay bitwise
+    identical, and the step equals one pipeline's step on the whole batch (for losses
+    that average over examples; BatchNormalization statistics and dropout masks are per
+    shard). ``predict``/``evaluate`` run replica 0.
 
     Args:
         make_layers: returns a new list of layers (same architecture) on each call.
@@ -64,7 +69,7 @@ class ReplicatedPipeline(keras.Model):
                 "e.g. [devices[0::2], devices[1::2]] for 2 replicas over 2K devices."
             )
         self.replicas = [PipelineModel(make_layers(), devices=g, **pipeline_kwargs) for g in groups]
-        self._cross_device = tf.distribute.ReductionToOneDevice()
+        self._all_reduce: _StageAllReduce | None = None  # once the variables exist
         if input_shape is not None:
             self.build(input_shape)
 
@@ -76,6 +81,8 @@ class ReplicatedPipeline(keras.Model):
         """Build every replica on its devices and give them replica 0's weights."""
         for replica in self.replicas:
             replica.build(input_shape)
+        # Checks first that the replicas are alike, with a message naming the fix.
+        self._all_reduce = _StageAllReduce([r.trainable_variables for r in self.replicas])
         weights = self.replicas[0].get_weights()
         for replica in self.replicas[1:]:
             replica.set_weights(weights)
@@ -98,17 +105,8 @@ class ReplicatedPipeline(keras.Model):
         if self.built:
             self._build_gradient_sums()
 
-    def _all_reduce_mean(self, grads: list[list[Any]]) -> list[list[Any]]:
-        from tensorflow.python.distribute import values as _values  # PerReplica: no public constructor
-
-        per_var = [_values.PerReplica(tuple(g[i] for g in grads)) for i in range(len(grads[0]))]
-        reduced = self._cross_device.batch_reduce(
-            tf.distribute.ReduceOp.MEAN, [(v, v) for v in per_var]
-        )  # destination = the replicas' own devices: the mean comes back to each of them
-        return [[m.values[r] for m in reduced] for r in range(self.num_replicas)]
-
     def train_step(self, data: Any) -> dict:
-        if not self.built:
+        if not self.built or self._all_reduce is None:
             raise ValueError(
                 "tf_gpipe: build the ReplicatedPipeline first (input_shape=... or "
                 "model.build(input_shape)) so that every replica starts from the same weights."
@@ -129,7 +127,7 @@ class ReplicatedPipeline(keras.Model):
             shard = (shards[0][r], shards[1][r], shards[2][r])
             steps.append(trainer.gradients(replica, shard, self.optimizer, loss_model=self))
         # The gradients stay loss-scaled: apply_gradients unscales the mean once.
-        mean = self._all_reduce_mean([s.grads for s in steps])
+        mean = self._all_reduce.mean([s.grads for s in steps])
         pairs = [zip(mean[r], replica.trainable_variables) for r, replica in enumerate(self.replicas)]
         self.optimizer.apply_gradients([pair for replica_pairs in pairs for pair in replica_pairs])
         loss = tf.add_n([s.loss for s in steps]) / R
@@ -138,3 +136,98 @@ class ReplicatedPipeline(keras.Model):
         )
         y_pred = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *[s.y_pred for s in steps])
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+# Collective keys name a group of devices (group_key) and one all-reduce in it
+# (instance_key) for the whole life of every process that takes part; a worker's server
+# keeps the groups it has seen even after its client is gone. Starting from a random
+# base keeps a restarted client (resuming from a checkpoint against the same workers)
+# and tf.distribute's own keys (counted from 1) off the keys already in use.
+_KEYS = iter(range(random.SystemRandom().randrange(1 << 20, 1 << 29), 1 << 31))
+
+
+class _StageAllReduce:
+    """The mean over replicas of each stage's gradients, computed on the stage's devices.
+
+    Variable ``i`` of every replica is the same weight; the replicas' devices holding it
+    form one collective group (one per stage in practice). Per group and dtype, each
+    device packs its gradients into one flat buffer, runs one ``CollectiveReduceV2``
+    (``Add``, then ``Div`` by R) and unpacks the mean, all on that device.
+    """
+
+    def __init__(self, variables: Sequence[Sequence[Any]]):
+        self.num_replicas = len(variables)
+        devices = [[_device_of(v) for v in replica] for replica in variables]
+        count = {len(d) for d in devices}
+        if len(count) != 1:
+            raise ValueError(
+                "tf_gpipe: the replicas have different numbers of trainable variables "
+                f"({[len(d) for d in devices]}); make_layers() must build the same layers each call."
+            )
+        self.shapes = [tuple(v.shape) for v in variables[0]]
+        self.dtypes = [v.dtype for v in variables[0]]
+        for r, replica in enumerate(variables[1:], 1):
+            if [tuple(v.shape) for v in replica] != self.shapes:
+                raise ValueError(
+                    f"tf_gpipe: replica {r}'s weights differ in shape from replica 0's; "
+                    "make_layers() must build the same layers each call."
+                )
+        # One group per tuple of devices (stage k of every replica), in first-use order.
+        self.groups: dict[tuple[str, ...], list[int]] = {}
+        for i in range(len(self.shapes)):
+            self.groups.setdefault(tuple(d[i] for d in devices), []).append(i)
+        self.group_keys = {group: next(_KEYS) for group in self.groups}
+        self.instance_keys = {
+            (group, dtype): next(_KEYS)
+            for group, indices in self.groups.items()
+            for dtype in dict.fromkeys(self.dtypes[i] for i in indices)
+        }
+        # Inside a tf.function, automatic control dependencies chain stateful ops that
+        # share no resource in program order: replica 0's collective would have to finish
+        # before replica 1's starts, and neither finishes alone. A resource per device
+        # (tf.distribute's "ordering token") orders only the collectives of that device.
+        self.tokens: dict[str, Any] = {}
+        with tf.init_scope():
+            for device in dict.fromkeys(d for group in self.groups for d in group):
+                with tf.device(device):
+                    self.tokens[device] = tf.Variable(0.0, trainable=False, name="all_reduce_order")
+
+    def mean(self, grads: Sequence[Sequence[Any]]) -> list[list[Any]]:
+        """``grads[r][i]``: replica r's gradient of variable i -> the same list of means."""
+        R = self.num_replicas
+        if R == 1:
+            return [list(g) for g in grads]
+        out: list[list[Any]] = [[None] * len(self.shapes) for _ in range(R)]
+        for group, indices in self.groups.items():
+            for dtype in dict.fromkeys(self.dtypes[i] for i in indices):
+                # Every replica leaves the same variables without gradient (same layers).
+                pack = [i for i in indices if self.dtypes[i] == dtype and grads[0][i] is not None]
+                if not pack:
+                    continue
+                sizes = [int(np.prod(self.shapes[i])) for i in pack]
+                for r, device in enumerate(group):
+                    with tf.device(device):
+                        flat = tf.concat([tf.reshape(_dense(grads[r][i]), [-1]) for i in pack], 0)
+                        total = tf.raw_ops.CollectiveReduceV2(
+                            input=flat,
+                            group_size=R,
+                            group_key=self.group_keys[group],
+                            instance_key=self.instance_keys[(group, dtype)],
+                            ordering_token=[self.tokens[device].handle],
+                            merge_op="Add",
+                            final_op="Div",
+                            communication_hint="auto",  # NCCL between GPUs, a ring otherwise
+                        )
+                        for i, piece in zip(pack, tf.split(total, sizes)):
+                            out[r][i] = tf.reshape(piece, self.shapes[i])
+        return out
+
+
+def _device_of(variable: Any) -> str:
+    raw = keras_compat.backing_variable(variable) if isinstance(variable, keras.Variable) else variable
+    return tf.DeviceSpec.from_string(raw.device).to_string()
+
+
+def _dense(grad: Any) -> Any:
+    # An embedding's IndexedSlices: the packed buffer needs every row.
+    return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
