@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, trainer
+from tf_gpipe import keras_compat, trainer, update
 
 __all__ = ["ReplicatedPipeline"]
 
@@ -101,7 +101,8 @@ class ReplicatedPipeline(keras.Model):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         kwargs["jit_compile"] = False  # XLA would ignore the stage placement
         super().compile(*args, **kwargs)
-        keras_compat.colocate_optimizer_slots(self.optimizer)  # slots on their replica's devices
+        # Slots beside their replica's variables, each update on its variable's device.
+        update.place_optimizer(self.optimizer, self.replicas[0].devices[0])
         if self.built:
             self._build_gradient_sums()
 
@@ -128,8 +129,12 @@ class ReplicatedPipeline(keras.Model):
             steps.append(trainer.gradients(replica, shard, self.optimizer, loss_model=self))
         # The gradients stay loss-scaled: apply_gradients unscales the mean once.
         mean = self._all_reduce.mean([s.grads for s in steps])
-        pairs = [zip(mean[r], replica.trainable_variables) for r, replica in enumerate(self.replicas)]
-        self.optimizer.apply_gradients([pair for replica_pairs in pairs for pair in replica_pairs])
+        # One apply for every replica: one step count, and each replica's update on its devices.
+        update.apply(
+            self.optimizer,
+            [g for grads in mean for g in grads],
+            [v for replica in self.replicas for v in replica.trainable_variables],
+        )
         loss = tf.add_n([s.loss for s in steps]) / R
         keras_compat.loss_tracker(self).update_state(
             keras_compat.unscale_loss_for_distribution(loss), sample_weight=tf.shape(x)[0]
