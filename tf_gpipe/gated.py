@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, remat
+from tf_gpipe import keras_compat, py_functions, remat
 from tf_gpipe.cell import Cell
 
 __all__ = ["call"]
@@ -54,7 +54,10 @@ def call(
         swapped = list(flat_in)
         for i, t in zip(float_pos, xs):
             swapped[i] = t
-        outputs, out_mask = cell.call(tf.nest.pack_sequence_as(inputs, swapped), mask, training, side)
+        # Called once per micro-batch, the function's ops run more than once before their
+        # gradients: tf.py_function's own gradient holds for one run only (``py_functions``).
+        with py_functions.replayed():
+            outputs, out_mask = cell.call(tf.nest.pack_sequence_as(inputs, swapped), mask, training, side)
         flat_out = tf.nest.flatten(outputs)
         # None leaves (``{"vec": v, "paddings": None}``) are no outputs of the gradient op.
         kept = [i for i, t in enumerate(flat_out) if t is not None]
