@@ -95,3 +95,15 @@ def test_batch_statistic_override_per_micro_batch_is_refused(schedule, M, v):
     assert "_BatchStatistic.compute_loss" not in message  # named by the model's class
     assert "Pipe.compute_loss is not" in message and "schedule='gpipe'" in message
     assert_all_close(pm.get_weights(), before, rtol=0, atol=0)  # nothing trained
+
+
+def test_override_on_a_replicated_pipeline_is_refused(cpu_devices):
+    from tf_gpipe import cluster
+
+    model = type("Replicated", (_Penalized, cluster.ReplicatedPipeline), {})(
+        _layers, [cpu_devices[0:2], cpu_devices[2:4]], input_shape=(None, 5), num_micro_batches=2
+    )
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"Replicated overrides compute_loss.*add_loss"):
+        model.fit(x, y, batch_size=10, verbose=0)

@@ -67,6 +67,14 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     if not model.built:
         model._build_cells(structure.spec_from(x))
     loss_model = model if loss_model is None else loss_model
+    if loss_model is not model and _overrides_compute_loss(loss_model):
+        # The replicas' losses are this model's compiled loss, each on its own shard.
+        raise ValueError(
+            f"tf_gpipe: {type(loss_model).__name__} overrides compute_loss, which its training "
+            "step cannot call: each replica computes the compiled loss of its own shard. Move the "
+            "extra term into the compiled loss (a keras.losses.Loss given to compile(loss=...)) "
+            "or into a layer's add_loss."
+        )
     exact = model.schedule != "gpipe"
     # A compute_loss override runs on each micro-batch, weighted by its share, and is
     # checked against the whole mini-batch's (``_checked``): exact only for per-example means.
@@ -276,7 +284,8 @@ def _micro_batch_loss(model: Any, loss_model: Any, y_m, out_m, mask_m, sw_m, n_m
     if compiled is None:
         raise ValueError(
             f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and "
-            "needs `loss=` in compile(); for a custom compute_loss use schedule='gpipe'."
+            "needs `loss=` in compile() or a compute_loss override that is a mean over examples; "
+            "for any other loss use schedule='gpipe'."
         )
     value = compiled(y_m, out_m, sw_m)
     reductions = {
