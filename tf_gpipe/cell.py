@@ -118,7 +118,7 @@ class Cell:
             x, mask = spec, None
             for layer in self.layers:
                 try:
-                    x = layer(x, **_layer_kwargs(layer, mask, None, side))
+                    x = _symbolic_call(layer, x, _layer_kwargs(layer, mask, None, side))
                 except Exception as e:  # name the layer: the traceback alone is hard to read
                     raise type(e)(
                         f"tf_gpipe: building layer {layer.name!r} of stage {self.index} "
@@ -145,6 +145,64 @@ class Cell:
         if all(m is None for m in tf.nest.flatten(mask)):
             mask = None
         return x, mask
+
+
+def _has_none(structure: Any) -> bool:
+    return any(t is None for t in tf.nest.flatten(structure))
+
+
+def _symbolic_call(layer: keras.layers.Layer, x: Any, kwargs: dict) -> Any:
+    """``layer(x, **kwargs)`` on KerasTensors, as keras.Sequential builds a layer.
+
+    Keras' symbolic call refuses a None among a layer's outputs (a functional graph
+    node must output tensors), though an eager call passes it on (Lingvo's
+    ``NestedMap(vec=..., paddings=None)``). Where the inputs hold a None, or the
+    symbolic call fails and the outputs would hold one, the layer is traced in a
+    ``tf.function`` instead (which also creates its variables): only the outputs'
+    specs are kept, None leaves included.
+    """
+    if not _has_none((x, kwargs)):
+        try:
+            return layer(x, **kwargs)
+        except ValueError as e:
+            try:
+                out = _traced_call(layer, x, kwargs)
+            except Exception:
+                raise e from None
+            if not _has_none(out):
+                raise
+            return out
+    return _traced_call(layer, x, kwargs)
+
+
+def _traced_call(layer: keras.layers.Layer, x: Any, kwargs: dict) -> Any:
+    def spec(t: Any) -> Any:
+        if t is None or not hasattr(t, "shape"):
+            return t
+        return tf.TensorSpec(t.shape, t.dtype)
+
+    def keras_tensor(t: Any) -> Any:
+        if t is None or not tf.is_tensor(t):
+            return t
+        return keras.KerasTensor(tuple(t.shape), dtype=t.dtype.name, sparse=isinstance(t, tf.SparseTensor))
+
+    got: dict = {}
+
+    def run(inputs: Any, arguments: dict) -> list:
+        with tf.name_scope("build"):  # a layer named like "_x" is no valid root scope
+            out = layer(inputs, **arguments)
+        masks = tf.nest.map_structure(lambda t: None if t is None else keras_compat.get_keras_mask(t), out)
+        got["out"] = tf.nest.map_structure(keras_tensor, out)
+        got["masks"] = tf.nest.map_structure(keras_tensor, masks)
+        return [t for t in tf.nest.flatten(out) if t is not None]
+
+    tf.function(run, autograph=False).get_concrete_function(
+        tf.nest.map_structure(spec, x), tf.nest.map_structure(spec, kwargs)
+    )
+    for t, m in zip(tf.nest.flatten(got["out"]), tf.nest.flatten(got["masks"])):
+        if t is not None and m is not None:
+            keras_compat.set_keras_mask(t, m)
+    return got["out"]
 
 
 def _on_device(current: str, target: tf.DeviceSpec) -> bool:

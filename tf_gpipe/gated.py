@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, remat
+from tf_gpipe import keras_compat, py_functions, remat
 from tf_gpipe.cell import Cell
 
 __all__ = ["call"]
@@ -54,10 +54,15 @@ def call(
         swapped = list(flat_in)
         for i, t in zip(float_pos, xs):
             swapped[i] = t
-        outputs, out_mask = cell.call(tf.nest.pack_sequence_as(inputs, swapped), mask, training, side)
+        # Called once per micro-batch, the function's ops run more than once before their
+        # gradients: tf.py_function's own gradient holds for one run only (``py_functions``).
+        with py_functions.replayed():
+            outputs, out_mask = cell.call(tf.nest.pack_sequence_as(inputs, swapped), mask, training, side)
         flat_out = tf.nest.flatten(outputs)
-        meta.update(outputs=outputs, out_mask=out_mask, n_out=len(flat_out))
-        result = list(flat_out) + list(scope.losses)
+        # None leaves (``{"vec": v, "paddings": None}``) are no outputs of the gradient op.
+        kept = [i for i, t in enumerate(flat_out) if t is not None]
+        meta.update(outputs=outputs, out_mask=out_mask, n_out=len(flat_out), kept=kept)
+        result = [flat_out[i] for i in kept] + list(scope.losses)
 
         def grad(*dys, variables=None):
             pairs = [(result[i], dys[i]) for i in remat.float_positions(result) if dys[i] is not None]
@@ -80,5 +85,8 @@ def call(
         return result, grad
 
     result = run(*[flat_in[i] for i in float_pos])
-    outputs = tf.nest.pack_sequence_as(meta["outputs"], result[: meta["n_out"]])
-    return outputs, meta["out_mask"], list(result[meta["n_out"] :])
+    flat: list[Any] = [None] * meta["n_out"]
+    for i, t in zip(meta["kept"], result):
+        flat[i] = t
+    outputs = tf.nest.pack_sequence_as(meta["outputs"], flat)
+    return outputs, meta["out_mask"], list(result[len(meta["kept"]) :])

@@ -67,10 +67,23 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     if not model.built:
         model._build_cells(structure.spec_from(x))
     loss_model = model if loss_model is None else loss_model
+    if loss_model is not model and _overrides_compute_loss(loss_model):
+        # The replicas' losses are this model's compiled loss, each on its own shard.
+        raise ValueError(
+            f"tf_gpipe: {type(loss_model).__name__} overrides compute_loss, which its training "
+            "step cannot call: each replica computes the compiled loss of its own shard. Move the "
+            "extra term into the compiled loss (a keras.losses.Loss given to compile(loss=...)) "
+            "or into a layer's add_loss."
+        )
     exact = model.schedule != "gpipe"
+    # A compute_loss override runs on each micro-batch, weighted by its share, and is
+    # checked against the whole mini-batch's (``_checked``): exact only for per-example means.
+    custom = exact and loss_model is model and _overrides_compute_loss(model)
     main, side = model._separate(x)
     multiple_of = model.num_stages if model.schedule == "interleaved" else 1
-    joint = microbatch.split((main, y, sample_weight, side), model.num_micro_batches, multiple_of)
+    joint = microbatch.split(
+        (main, y, sample_weight, side, x if custom else None), model.num_micro_batches, multiple_of
+    )
     xs = joint.select(0)
     plan = schedules.get(model.schedule, model.num_stages, len(xs), model.virtual_stages)
     trainable = model.trainable_weights
@@ -100,15 +113,19 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         return [[next(it) if structure.is_float(t) else None for t in f] for f in flat]
 
     def micro_loss(m, out, mask):
-        _, y_m, sw_m, _ = joint.chunks[m]
+        _, y_m, sw_m, _, x_m = joint.chunks[m]
         flat = tf.nest.flatten(out)
         watched = [t for t in flat if structure.is_float(t)]
         with tf.GradientTape() as tape:
             tape.watch(watched)
             # ``out`` still carries its Keras mask (set by its last layer): the loss sees it.
-            value, valid = _micro_batch_loss(
-                model, loss_model, y_m, out, mask, sw_m, joint.sizes[m], batch_size
-            )
+            if custom:
+                value = keras_compat.model_compute_loss(model, x_m, y_m, out, sw_m, training=True)
+                value, valid = value * tf.cast(weights[m], value.dtype), None
+            else:
+                value, valid = _micro_batch_loss(
+                    model, loss_model, y_m, out, mask, sw_m, joint.sizes[m], batch_size
+                )
             if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
                 value = tf.reduce_sum(value)
             nonempty = joint.nonempty(m)
@@ -120,8 +137,14 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         state["loss"].append(value)
         if valid is not None:
             state["valid"].append(valid)
-        got = iter(tape.gradient(scaled, watched, unconnected_gradients=tf.UnconnectedGradients.NONE))
-        return [next(got) if structure.is_float(t) else None for t in flat]
+        # An override may read the weights directly (the regularization losses Keras'
+        # compute_loss adds): those gradients are summed over the micro-batches here.
+        sources = watched + (list(trainable) if custom else [])
+        got = tape.gradient(scaled, sources, unconnected_gradients=tf.UnconnectedGradients.NONE)
+        if custom:
+            state["direct"] = [accumulate(a, g) for a, g in zip(state["direct"], got[len(watched) :])]
+        it = iter(got[: len(watched)])
+        return [next(it) if structure.is_float(t) else None for t in flat]
 
     outs, out_masks, totals, cell_losses = run_schedule(
         plan,
@@ -144,7 +167,9 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     if deferred is not None:
         deferred.apply()
     y_pred = joint.merge(outs, out_masks)
-    if exact and model.losses:
+    if custom:
+        check = _checked(model, state["loss"], x, y, y_pred, sample_weight)
+    if exact and not custom and model.losses:
         # Regularization terms read the weights directly: once per mini-batch.
         with tf.GradientTape() as tape:
             reg = tf.add_n([keras_compat.aggregate_additional_loss(model, r) for r in model.losses])
@@ -170,7 +195,62 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
             with tf.device(v.value.device):
                 total = accumulate(total, g)
         final.append(total)
+    if custom:  # nothing leaves this step (no update) unless the split loss was exact
+        with tf.control_dependencies([check]):
+            final = [_identity(g) for g in final]
+            loss = tf.identity(loss)
     return Gradients(final, loss, y_pred, batch_size)
+
+
+def _overrides_compute_loss(model: Any) -> bool:
+    """Whether ``model``'s class overrides ``compute_loss``."""
+    return getattr(type(model), "compute_loss", None) is not keras.Model.compute_loss
+
+
+def _checked(model: Any, micro: list[tf.Tensor], x, y, y_pred, sample_weight) -> Any:
+    """An assertion that the micro-batches' weighted ``compute_loss`` values add up to its
+    value on the whole mini-batch.
+
+    Weighting each micro-batch's loss by its share n_m/N is exact for a mean over
+    examples, which arbitrary code cannot be proven to be; a loss that is not (a sum, a
+    masked mean, a statistic of the whole batch) gives another value on the whole
+    mini-batch, so the step fails before its gradients reach the optimizer. Non-finite
+    losses pass (Keras trains on them too).
+    """
+    whole = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=True)
+    total = tf.add_n(micro) if len(micro) > 1 else micro[0]
+    whole, total = tf.cast(whole, tf.float32), tf.cast(total, tf.float32)
+    # Rounding only: the same means, in another order. An override may compute in the
+    # outputs' dtype (or lower), so 16-bit outputs get room for their coarser rounding.
+    floats = {t.dtype for t in tf.nest.flatten(y_pred) + micro if structure.is_float(t)}
+    rtol = 6e-2 if tf.bfloat16 in floats else 1e-2 if tf.float16 in floats else 1e-3
+    scale = tf.add_n([tf.abs(tf.cast(v, tf.float32)) for v in micro]) + tf.abs(whole)
+    ok = tf.logical_or(
+        tf.abs(whole - total) <= rtol * scale + 1e-30,
+        tf.logical_not(tf.logical_and(tf.math.is_finite(whole), tf.math.is_finite(total))),
+    )
+    return tf.debugging.Assert(
+        ok,
+        [
+            f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and weights "
+            "each by its share n_m/N of the mini-batch, which is exact only when compute_loss is a "
+            f"mean over examples. {type(model).__name__}.compute_loss is not: on the whole "
+            "mini-batch it gives",
+            whole,
+            "but its micro-batches add up to",
+            total,
+            "(no update was made). Use schedule='gpipe', which computes the loss once on the "
+            "whole mini-batch.",
+        ],
+    )
+
+
+def _identity(g):
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape)
+    return tf.identity(g)
 
 
 def _whole_batch_loss(model: Any, loss_model: Any, x, y, y_pred, sample_weight):
@@ -204,7 +284,8 @@ def _micro_batch_loss(model: Any, loss_model: Any, y_m, out_m, mask_m, sw_m, n_m
     if compiled is None:
         raise ValueError(
             f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and "
-            "needs `loss=` in compile(); for a custom compute_loss use schedule='gpipe'."
+            "needs `loss=` in compile() or a compute_loss override that is a mean over examples; "
+            "for any other loss use schedule='gpipe'."
         )
     value = compiled(y_m, out_m, sw_m)
     reductions = {
