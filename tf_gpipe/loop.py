@@ -49,7 +49,7 @@ from typing import Any, TypeVar, cast
 
 import tensorflow as tf
 
-from tf_gpipe import handles, remat, sparse, stage
+from tf_gpipe import batchnorm, handles, remat, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.executor import _after, _done
@@ -350,7 +350,7 @@ def run(
             state["kept", s] = _write(state["kept", s], m, kept[s].compress(rec.before))
             state["added", s] = _write(state["added", s], m, added[s].compress(rec.losses))
             # Pooled in the executor's order, micro-batch after micro-batch.
-            state["moments", s] = [a + b for a, b in zip(state["moments", s], found)]
+            state["moments", s] = batchnorm.merge(state["moments", s], found)
             if s == S - 1:
                 state["last", s] = _write(state["last", s], m, out)
             return out
