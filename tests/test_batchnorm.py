@@ -236,3 +236,21 @@ def test_deferred_statistics_of_large_mean_inputs(masked, schedule, num_stages, 
     expected = _moving(seq)
     assert expected[1].min() > 1e-3  # the spread is there to be lost
     assert_all_close(_moving(pm), expected, rtol=1e-3, atol=1e-7)
+
+
+def test_empty_mini_batch_leaves_deferred_statistics_alone():
+    """A training call on 0 examples has no statistics to pool: the moving statistics stay
+    (a forced update would decay them toward the zeros an empty pool holds)."""
+    pm = tf_gpipe.PipelineModel(bn_layers(), num_stages=2, num_micro_batches=3)
+    pm.build((None, 8))
+    for w in pm.non_trainable_weights:
+        w.assign(tf.fill(w.shape, 2.0))
+    empty = np.zeros((0, 8), "float32")
+    pm(empty, training=True)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    def forward(a):
+        return pm(a, training=True)
+
+    forward(empty)
+    assert all(np.all(m == 2.0) for m in _moving(pm)), _moving(pm)
