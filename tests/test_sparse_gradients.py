@@ -65,7 +65,7 @@ def test_rows_update_like_the_unsplit_model(schedule, remat):
     initial = seq.get_weights()
     pm.compile(optimizer="sgd", loss=LOSS)
     # One trace of the pipelined step for every optimizer: what fit's step applies.
-    step = tf.function(lambda x, y: trainer.gradients(pm, (x, y)).grads)
+    step = tf.function(lambda x, y: trainer.gradients(pm, (x, y)).grads, autograph=False)
     for name in OPTIMIZERS:
         seq.set_weights(initial)
         pm.set_weights(initial)
@@ -79,3 +79,29 @@ def test_rows_update_like_the_unsplit_model(schedule, remat):
             pm_opt.apply_gradients(zip(step(x, y), pm.trainable_weights))
         assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-5)
         assert_all_close(pm_opt.variables, seq_opt.variables, rtol=1e-5, atol=1e-5)
+
+
+class _FixedBatch(keras.layers.Layer):
+    """A layer that only runs on a known batch size."""
+
+    def call(self, x):
+        if x.shape[0] is None:
+            raise ValueError("needs a known batch size")
+        return x
+
+
+def test_a_stage_that_needs_a_known_batch_size_still_trains():
+    """The trace that tells the rows apart runs with the batch size unknown; a stage that
+    cannot be traced so keeps concatenated rows, with a warning saying what that costs."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Embedding(12, 4), PositionEmbedding(5, 4), _FixedBatch(), keras.layers.Flatten()]
+    pm = tf_gpipe.PipelineModel(layers + [keras.layers.Dense(3)], balance=[4, 1], num_micro_batches=2)
+    pm.build((6, 5))
+    pm.compile(optimizer="sgd", loss=LOSS)
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randint(0, 12, (6, 5)), tf.int32)
+    with pytest.warns(UserWarning, match=r"(?s)batch size unknown.*needs a known batch size"):
+        grads = tf.function(lambda x, y: trainer.gradients(pm, (x, y)).grads, autograph=False)(
+            x, tf.zeros([6], tf.int32)
+        )
+    assert isinstance(grads[1], tf.IndexedSlices) and grads[1].values.shape[0] == 2 * 5

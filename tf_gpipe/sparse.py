@@ -19,6 +19,7 @@ unknown: rows whose count is then still known do not grow with the batch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,7 +55,9 @@ def batch_free(cell: Cell, inputs: Any, mask: Any, side: Any) -> frozenset[int]:
     variables = cell.trainable_variables
 
     def probe(inputs, mask, side):
-        with tf.GradientTape() as tape, keras_compat.RecordingScope() as scope:
+        # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
+        scope_name = tf.name_scope(f"stage{cell.index}_rows")
+        with scope_name, tf.GradientTape() as tape, keras_compat.RecordingScope() as scope:
             outputs, _ = cell.call(inputs, mask, True, side)
             terms = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(outputs)]
             terms += [tf.cast(loss, tf.float32) for loss in scope.losses]
@@ -63,8 +66,22 @@ def batch_free(cell: Cell, inputs: Any, mask: Any, side: Any) -> frozenset[int]:
         return [g.values if isinstance(g, tf.IndexedSlices) else tf.zeros([]) for g in grads]
 
     specs = tf.nest.map_structure(_relaxed, (inputs, mask, side))
-    with tf.device(cell.device):
-        traced = tf.function(probe, autograph=False).get_concrete_function(*specs)
+    try:
+        with tf.device(cell.device):
+            traced = tf.function(probe, autograph=False).get_concrete_function(*specs)
+    except (ValueError, TypeError, NotImplementedError, tf.errors.OpError) as e:
+        # Training worked without this trace; a layer that needs a known batch size
+        # must not stop it, only be told what it costs.
+        warnings.warn(
+            f"tf_gpipe: stage {cell.index} cannot be traced with the batch size unknown "
+            f"({type(e).__name__}: {e}), so its Embedding rows are concatenated over the "
+            "micro-batches. Rows that recur in every micro-batch (a position embedding) then "
+            "reach the optimizer M times, which Adam, RMSprop or Adagrad apply differently "
+            "from the unsplit model. Let the stage's layers accept any batch size to fix it.",
+            stacklevel=2,
+        )
+        cell._batch_free_rows = frozenset()  # type: ignore[attr-defined]
+        return cell._batch_free_rows  # type: ignore[attr-defined]
     found = frozenset(
         id(v)
         for v, values in zip(variables, traced.structured_outputs)
