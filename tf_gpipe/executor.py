@@ -162,7 +162,7 @@ def run_schedule(
     out_masks: list[Any] = [None] * M
     # id(variable) -> its gradients not added to a sum variable (rows, or M = 1), per micro-batch
     rows: dict[int, list[Any]] = {}
-    first_inputs: dict[int, tuple[Any, Any, Any]] = {}  # stage -> one micro-batch's (inputs, mask, side)
+    probe_specs: dict[int, Any] = {}  # stage -> specs of one micro-batch's (inputs, mask, side)
     summed: dict[int, tf.Tensor] = {}  # stage -> token of its latest addition to its gradient sums
     last: dict[int, list[tf.Tensor]] = {}  # device -> what its previous action produced
     cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
@@ -257,14 +257,15 @@ def run_schedule(
                 for v, g in zip(variables, grads):
                     if g is not None:  # M = 1, or rows: kept apart, not summed into a dense tensor
                         rows.setdefault(id(v), []).append(g)
-                first_inputs.setdefault(s, (rec.inputs, rec.mask, rec.side))
+                if s not in probe_specs:  # specs: an eager step must not keep the tensors alive
+                    probe_specs[s] = sparse.relaxed_specs((rec.inputs, rec.mask, rec.side))
             if s > 0 and input_half:
                 grads_in[(s - 1, m)] = in_grads
             with tf.device(cell.device):
                 token = summed.get(s) if weight_half else None
                 last[d] = mark("end " + tag, d, _done(in_grads, token, grads) or start)
     totals: dict[int, Any] = {}
-    for s, (x, mask, side) in first_inputs.items():
+    for s, (x, mask, side) in probe_specs.items():
         free: frozenset[int] = frozenset()
         variables = cells[s].trainable_variables
         if any(len(rows.get(id(v), [])) > 1 for v in variables):

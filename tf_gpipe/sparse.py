@@ -28,7 +28,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat
 from tf_gpipe.cell import Cell
 
-__all__ = ["batch_free", "combine"]
+__all__ = ["batch_free", "combine", "relaxed_specs"]
 
 
 def _relaxed(t: Any) -> Any:
@@ -40,6 +40,11 @@ def _relaxed(t: Any) -> Any:
     if dims:
         dims[0] = None
     return tf.TensorSpec(dims, t.dtype)
+
+
+def relaxed_specs(structure: Any) -> Any:
+    """``structure``'s tensors (or specs) as specs with a leading dimension of unknown size."""
+    return tf.nest.map_structure(_relaxed, structure)
 
 
 def batch_free(cell: Cell, inputs: Any, mask: Any, side: Any) -> frozenset[int]:
@@ -65,7 +70,7 @@ def batch_free(cell: Cell, inputs: Any, mask: Any, side: Any) -> frozenset[int]:
         grads = tape.gradient(total, variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
         return [g.values if isinstance(g, tf.IndexedSlices) else tf.zeros([]) for g in grads]
 
-    specs = tf.nest.map_structure(_relaxed, (inputs, mask, side))
+    specs = relaxed_specs((inputs, mask, side))
     try:
         with tf.device(cell.device):
             traced = tf.function(probe, autograph=False).get_concrete_function(*specs)
