@@ -178,3 +178,79 @@ def test_deferred_in_custom_training_loop_and_empty_micro_batches():
     seq(x, training=True)
     assert_all_close(_moving(seq), _moving(pm), rtol=1e-5, atol=1e-6)
     assert np.all(np.isfinite(np.concatenate([m.ravel() for m in _moving(pm)])))
+
+
+def _large_mean_layers(masked):
+    """A BatchNormalization on values of mean 1000 and spread 0.1 (momentum 0: the moving
+    statistics are the mini-batch's): E[x^2] - mean^2 loses that spread in float32.
+    Masked: an Embedding(mask_zero=True) gives them, and the padding must not count."""
+    keras.utils.set_random_seed(3)
+    bn = keras.layers.BatchNormalization(momentum=0.0)
+    if not masked:
+        return [bn, keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)]
+    big = keras.initializers.RandomNormal(mean=1000.0, stddev=0.1, seed=1)
+    return [
+        keras.layers.Embedding(20, 4, mask_zero=True, embeddings_initializer=big),
+        bn,
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3),
+    ]
+
+
+@pytest.mark.parametrize(
+    "masked, schedule, num_stages, M",
+    [
+        (False, "gpipe", 1, 1),
+        (False, "1f1b", 2, 3),
+        (True, "gpipe", 2, 3),
+        (True, "1f1b", 2, 3),
+        (True, "interleaved", 2, 4),
+        (True, "zb-h1", 2, 3),
+    ],
+)
+def test_deferred_statistics_of_large_mean_inputs(masked, schedule, num_stages, M):
+    """Moments pooled stably (Chan's formula): Keras' moving variance of inputs of mean
+    1000 and spread 0.1, to 1e-3, over 10 examples in uneven micro-batches (Keras': 0.01;
+    pooled as E[x^2] - mean^2: 0, even unsplit, K = M = 1)."""
+    rng = np.random.RandomState(0)
+    if masked:
+        x = rng.randint(1, 20, (10, 6)).astype("int32")
+        x[:, 4:] *= rng.rand(10, 2) > 0.5  # padding (token 0) at the end of some
+        shape = (None, 6)
+    else:
+        x = (1000.0 + 0.1 * rng.randn(10, 8)).astype("float32")
+        shape = (None, 8)
+    y = rng.randint(0, 3, 10)
+    interleaved = dict(virtual_stages=2) if schedule == "interleaved" else {}
+    seq, pm = pair(
+        lambda: _large_mean_layers(masked),
+        shape,
+        input_dtype="int32" if masked else None,
+        num_stages=num_stages,
+        num_micro_batches=M,
+        schedule=schedule,
+        **interleaved,
+    )
+    for model in (seq, pm):
+        _one_step(model, x, y, batch_size=10)
+    expected = _moving(seq)
+    assert expected[1].min() > 1e-3  # the spread is there to be lost
+    assert_all_close(_moving(pm), expected, rtol=1e-3, atol=1e-7)
+
+
+def test_empty_mini_batch_leaves_deferred_statistics_alone():
+    """A training call on 0 examples has no statistics to pool: the moving statistics stay
+    (a forced update would decay them toward the zeros an empty pool holds)."""
+    pm = tf_gpipe.PipelineModel(bn_layers(), num_stages=2, num_micro_batches=3)
+    pm.build((None, 8))
+    for w in pm.non_trainable_weights:
+        w.assign(tf.fill(w.shape, 2.0))
+    empty = np.zeros((0, 8), "float32")
+    pm(empty, training=True)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    def forward(a):
+        return pm(a, training=True)
+
+    forward(empty)
+    assert all(np.all(m == 2.0) for m in _moving(pm)), _moving(pm)

@@ -40,3 +40,29 @@ def test_fit_matches_unsplit_under_policy(policy, schedule, M, bn):
     # Stage boundaries carry the compute dtype, not float32.
     boundary, _ = pm.cells[0].call(tf.constant(x), None, False)
     assert boundary.dtype == tf.as_dtype(keras.mixed_precision.global_policy().compute_dtype)
+
+
+def _regularized_layers():
+    keras.utils.set_random_seed(0)
+    return [
+        keras.layers.Dense(16, activation="relu"),
+        # float32: Keras cannot add a float16 regularization loss to its float32 loss.
+        keras.layers.Dense(16, "tanh", activity_regularizer=keras.regularizers.l2(1.0), dtype="float32"),
+        keras.layers.Dense(3, dtype="float32"),
+    ]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_layer_losses_are_loss_scaled_like_the_main_loss(policy, schedule):
+    """A LossScaleOptimizer unscales every gradient once, so the gradients of the losses
+    layers add (an activity regularizer, seeded per micro-batch in the backward passes)
+    must be scaled as the main loss's are: unscaled, the regularizer's effect vanished."""
+    seq, pm = pair(_regularized_layers, (None, 8), num_stages=3, num_micro_batches=3, schedule=schedule)
+    x, y = data(10)  # micro-batches of 4, 3 and 3
+    for model in (seq, pm):
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        model.fit(x, y, batch_size=10, epochs=3, shuffle=False, verbose=0)
+    assert type(pm.optimizer).__name__ == "LossScaleOptimizer"
+    assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-3, atol=1e-3)  # unscaled: 0.2 off

@@ -25,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import remat, stage
+from tf_gpipe import remat, sparse, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
@@ -160,7 +160,9 @@ def run_schedule(
     grads_in: dict[tuple[int, int], list[tf.Tensor | None]] = {}
     outputs: list[Any] = [None] * M
     out_masks: list[Any] = [None] * M
-    rows: dict[int, Any] = {}  # id(variable) -> gradient not in a sum variable (rows, or M = 1)
+    # id(variable) -> its gradients not added to a sum variable (rows, or M = 1), per micro-batch
+    rows: dict[int, list[Any]] = {}
+    probe_specs: dict[int, Any] = {}  # stage -> specs of one micro-batch's (inputs, mask, side)
     summed: dict[int, tf.Tensor] = {}  # stage -> token of its latest addition to its gradient sums
     last: dict[int, list[tf.Tensor]] = {}  # device -> what its previous action produced
     cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
@@ -253,14 +255,25 @@ def run_schedule(
                     else:
                         grads = result
                 for v, g in zip(variables, grads):
-                    if g is not None:  # M = 1, or rows: concatenated, not summed into a dense tensor
-                        rows[id(v)] = accumulate(rows.get(id(v)), g)
+                    if g is not None:  # M = 1, or rows: kept apart, not summed into a dense tensor
+                        rows.setdefault(id(v), []).append(g)
+                if s not in probe_specs:  # specs: an eager step must not keep the tensors alive
+                    probe_specs[s] = sparse.relaxed_specs((rec.inputs, rec.mask, rec.side))
             if s > 0 and input_half:
                 grads_in[(s - 1, m)] = in_grads
             with tf.device(cell.device):
                 token = summed.get(s) if weight_half else None
                 last[d] = mark("end " + tag, d, _done(in_grads, token, grads) or start)
-    totals: dict[int, Any] = dict(rows)
+    totals: dict[int, Any] = {}
+    for s, (x, mask, side) in probe_specs.items():
+        free: frozenset[int] = frozenset()
+        variables = cells[s].trainable_variables
+        if any(len(rows.get(id(v), [])) > 1 for v in variables):
+            free = sparse.batch_free(cells[s], x, mask, side)
+        with tf.device(cells[s].device):
+            for v in variables:
+                if id(v) in rows:
+                    totals[id(v)] = sparse.combine(rows[id(v)], id(v) in free)
     for s, token in summed.items():
         totals.update(stage.functions(cells[s]).read_sums(token))
     return outputs, out_masks, totals, cell_losses

@@ -49,7 +49,7 @@ from typing import Any, TypeVar, cast
 
 import tensorflow as tf
 
-from tf_gpipe import handles, remat, stage
+from tf_gpipe import batchnorm, handles, remat, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.executor import _after, _done
@@ -350,7 +350,7 @@ def run(
             state["kept", s] = _write(state["kept", s], m, kept[s].compress(rec.before))
             state["added", s] = _write(state["added", s], m, added[s].compress(rec.losses))
             # Pooled in the executor's order, micro-batch after micro-batch.
-            state["moments", s] = [a + b for a, b in zip(state["moments", s], found)]
+            state["moments", s] = batchnorm.merge(state["moments", s], found)
             if s == S - 1:
                 state["last", s] = _write(state["last", s], m, out)
             return out
@@ -493,11 +493,10 @@ def run(
     for s in range(S):
         variables = cells[s].trainable_variables
         with tf.device(cells[s].device):
-            for i, dense_shape, _ in rows[s]:  # concatenated in micro-batch order, as the executor does
-                pairs = [state["rows", s, i][0].read(m) for m in range(M)]
-                indices = [state["rows", s, i][1].read(m) for m in range(M)]
-                totals[id(variables[i])] = tf.IndexedSlices(
-                    tf.concat(pairs, 0), tf.concat(indices, 0), dense_shape
-                )
+            free = sparse.batch_free(cells[s], *ins[s].spec_structure()) if rows[s] else frozenset()
+            for i, dense_shape, _ in rows[s]:  # in micro-batch order, as the executor has them
+                values, indices = state["rows", s, i]
+                parts = [tf.IndexedSlices(values.read(m), indices.read(m), dense_shape) for m in range(M)]
+                totals[id(variables[i])] = sparse.combine(parts, id(variables[i]) in free)
         totals.update(fns[s].read_sums(state["token", s][0], inline=True))
     return outputs, out_masks, totals, cell_losses
