@@ -297,3 +297,47 @@ def test_layer_names_starting_with_underscore_under_a_traced_tape():
         return tape.gradient(loss, pm.trainable_variables)
 
     assert all(g is not None for g in grads(x))
+
+
+def test_taped_recurrent_stage_keeps_its_gradient_loop_on_its_device(cpu_devices):
+    """A stage that is not re-materialized (``remat="never"``, the last stage of
+    ``"except_last"``) holding an RNN placed its gradient loop's variables on the default
+    device and the loop's body on the stage's device: every time step of the backward sent
+    its saved values across devices. The keras-io bidirectional LSTM at K=2, M=4 stepped
+    1.5x slower with ``remat="never"`` than with ``"always"``, which recomputes its forward
+    (benchmarks/recurrent/README.md). Counted here: the transfers the runtime placed inside
+    gradient loops.
+    """
+    from tensorflow.python.eager import context
+
+    keras.utils.set_random_seed(0)
+    layers = [
+        keras.Input((None,), dtype="int32"),
+        keras.layers.Embedding(50, 8),
+        keras.layers.LSTM(8, return_sequences=True),
+        keras.layers.LSTM(8),
+        keras.layers.Dense(1),
+    ]
+    pm = tf_gpipe.PipelineModel(
+        layers, num_stages=2, num_micro_batches=2, remat="never", devices=cpu_devices[:2]
+    )
+    pm.compile(optimizer="sgd", loss="mse")
+    x = np.random.RandomState(0).randint(1, 50, (8, 5)).astype("int32")
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    ctx.enable_graph_collection()  # partition graphs are collected when a function is instantiated
+    try:
+        pm.train_on_batch(x, np.ones((8, 1), "float32"))
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_graph_collection()
+        ctx.disable_run_metadata()
+    sends = [
+        n.name
+        for f in metadata.function_graphs
+        for g in f.partition_graphs
+        for n in g.node
+        if n.op == "_Send"
+    ]
+    assert sends, "the stage boundary crosses devices: the run metadata must show it"
+    assert [s for s in sends if "while_grad" in s] == []
