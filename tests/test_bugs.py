@@ -307,6 +307,10 @@ def test_taped_recurrent_stage_keeps_its_gradient_loop_on_its_device(cpu_devices
     1.5x slower with ``remat="never"`` than with ``"always"``, which recomputes its forward
     (benchmarks/recurrent/README.md). Counted here: the transfers the runtime placed inside
     gradient loops.
+
+    Fixed in 310fe64 (gated: a taped stage's gradient loop (an RNN's backward) stays on the
+    stage's device; each time step crossed devices before (remat='never'/'except_last' with
+    an LSTM)).
     """
     from tensorflow.python.eager import context
 
