@@ -345,3 +345,35 @@ def test_taped_recurrent_stage_keeps_its_gradient_loop_on_its_device(cpu_devices
     ]
     assert sends, "the stage boundary crosses devices: the run metadata must show it"
     assert [s for s in sends if "while_grad" in s] == []
+
+
+def test_taped_recurrent_stage_trains_with_xla(cpu_devices):
+    """``compile(jit_compile=True)`` (or ``"auto"`` on a GPU) with ``remat="never"`` or
+    ``"except_last"`` failed on the first step when a stage that is not re-materialized
+    held an LSTM: "Support for TensorList crossing the XLA/TF boundary is not implemented".
+    TensorFlow's gradient of the XLA-compiled forward needs the stacks the LSTM's loop saves,
+    which cannot leave an XLA function. That stage's taped forward now runs without XLA.
+    """
+
+    def layers():
+        keras.utils.set_random_seed(0)
+        return [
+            keras.Input((None,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True)),
+            keras.layers.LSTM(8),
+            keras.layers.Dense(1),
+        ]
+
+    rng = np.random.RandomState(0)
+    x, y = rng.randint(1, 50, (8, 5)).astype("int32"), rng.randn(8, 1).astype("float32")
+    seq = keras.Sequential(layers())
+    seq.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    for remat in ("never", "except_last"):
+        pm = tf_gpipe.PipelineModel(
+            layers(), num_stages=2, num_micro_batches=2, remat=remat, devices=cpu_devices[:2]
+        )
+        pm.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+        assert pm.stage_jit == [True, True]
+        got = pm.train_on_batch(x, y)
+        np.testing.assert_allclose(got, seq.evaluate(x, y, verbose=0), rtol=1e-4)

@@ -33,6 +33,9 @@ flags.DEFINE_list(
     ["always", "always:built_out", "except_last", "never"],
     "PipelineModel variants, '<remat>' or '<remat>:built_out' (tick_loop=False).",
 )
+flags.DEFINE_enum(
+    "jit_compile", "auto", ["auto", "true", "false"], "compile(jit_compile=...) for every variant."
+)
 flags.DEFINE_bool("counts", True, "Profile one step per variant: ops, matmuls, transfers.")
 flags.DEFINE_string("out", harness.OUT_DIR, "Directory for the JSON and the profiles.")
 
@@ -131,7 +134,8 @@ def main(argv):
             layers(), num_stages=K, num_micro_batches=M, remat=remat, tick_loop=tick_loop
         )
     for model in models.values():
-        model.compile(optimizer="adam", loss="binary_crossentropy")
+        jit = {"auto": "auto", "true": True, "false": False}[FLAGS.jit_compile]
+        model.compile(optimizer="adam", loss="binary_crossentropy", jit_compile=jit)
 
     rng = np.random.RandomState(0)
     x = rng.randint(1, 20000, size=(FLAGS.batch, FLAGS.maxlen)).astype("int32")
