@@ -353,6 +353,10 @@ def test_taped_recurrent_stage_trains_with_xla(cpu_devices):
     held an LSTM: "Support for TensorList crossing the XLA/TF boundary is not implemented".
     TensorFlow's gradient of the XLA-compiled forward needs the stacks the LSTM's loop saves,
     which cannot leave an XLA function. That stage's taped forward now runs without XLA.
+
+    Fixed in 1f5fb82 (stage: a taped stage running a recurrent layer's loop keeps its forward
+    out of XLA; jit_compile=True with remat='never'/'except_last' and an LSTM failed on the
+    first step (TensorList crossing the XLA/TF boundary)).
     """
 
     def layers():
