@@ -297,3 +297,87 @@ def test_layer_names_starting_with_underscore_under_a_traced_tape():
         return tape.gradient(loss, pm.trainable_variables)
 
     assert all(g is not None for g in grads(x))
+
+
+def test_taped_recurrent_stage_keeps_its_gradient_loop_on_its_device(cpu_devices):
+    """A stage that is not re-materialized (``remat="never"``, the last stage of
+    ``"except_last"``) holding an RNN placed its gradient loop's variables on the default
+    device and the loop's body on the stage's device: every time step of the backward sent
+    its saved values across devices. The keras-io bidirectional LSTM at K=2, M=4 stepped
+    1.5x slower with ``remat="never"`` than with ``"always"``, which recomputes its forward
+    (benchmarks/recurrent/README.md). Counted here: the transfers the runtime placed inside
+    gradient loops.
+
+    Fixed in 310fe64 (gated: a taped stage's gradient loop (an RNN's backward) stays on the
+    stage's device; each time step crossed devices before (remat='never'/'except_last' with
+    an LSTM)).
+    """
+    from tensorflow.python.eager import context
+
+    keras.utils.set_random_seed(0)
+    layers = [
+        keras.Input((None,), dtype="int32"),
+        keras.layers.Embedding(50, 8),
+        keras.layers.LSTM(8, return_sequences=True),
+        keras.layers.LSTM(8),
+        keras.layers.Dense(1),
+    ]
+    pm = tf_gpipe.PipelineModel(
+        layers, num_stages=2, num_micro_batches=2, remat="never", devices=cpu_devices[:2]
+    )
+    pm.compile(optimizer="sgd", loss="mse")
+    x = np.random.RandomState(0).randint(1, 50, (8, 5)).astype("int32")
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    ctx.enable_graph_collection()  # partition graphs are collected when a function is instantiated
+    try:
+        pm.train_on_batch(x, np.ones((8, 1), "float32"))
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_graph_collection()
+        ctx.disable_run_metadata()
+    sends = [
+        n.name
+        for f in metadata.function_graphs
+        for g in f.partition_graphs
+        for n in g.node
+        if n.op == "_Send"
+    ]
+    assert sends, "the stage boundary crosses devices: the run metadata must show it"
+    assert [s for s in sends if "while_grad" in s] == []
+
+
+def test_taped_recurrent_stage_trains_with_xla(cpu_devices):
+    """``compile(jit_compile=True)`` (or ``"auto"`` on a GPU) with ``remat="never"`` or
+    ``"except_last"`` failed on the first step when a stage that is not re-materialized
+    held an LSTM: "Support for TensorList crossing the XLA/TF boundary is not implemented".
+    TensorFlow's gradient of the XLA-compiled forward needs the stacks the LSTM's loop saves,
+    which cannot leave an XLA function. That stage's taped forward now runs without XLA.
+
+    Fixed in 1f5fb82 (stage: a taped stage running a recurrent layer's loop keeps its forward
+    out of XLA; jit_compile=True with remat='never'/'except_last' and an LSTM failed on the
+    first step (TensorList crossing the XLA/TF boundary)).
+    """
+
+    def layers():
+        keras.utils.set_random_seed(0)
+        return [
+            keras.Input((None,), dtype="int32"),
+            keras.layers.Embedding(50, 8),
+            keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True)),
+            keras.layers.LSTM(8),
+            keras.layers.Dense(1),
+        ]
+
+    rng = np.random.RandomState(0)
+    x, y = rng.randint(1, 50, (8, 5)).astype("int32"), rng.randn(8, 1).astype("float32")
+    seq = keras.Sequential(layers())
+    seq.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    for remat in ("never", "except_last"):
+        pm = tf_gpipe.PipelineModel(
+            layers(), num_stages=2, num_micro_batches=2, remat=remat, devices=cpu_devices[:2]
+        )
+        pm.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+        assert pm.stage_jit == [True, True]
+        got = pm.train_on_batch(x, y)
+        np.testing.assert_allclose(got, seq.evaluate(x, y, verbose=0), rtol=1e-4)

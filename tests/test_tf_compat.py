@@ -49,3 +49,17 @@ def test_a_missing_captures_fails_loudly(monkeypatch):
         return x
 
     f(tf.ones(1))
+
+
+def test_update_input_rewires_an_op():
+    seen = []
+
+    @tf.function
+    def f(x):
+        y = x + 1.0
+        tf_compat.update_input(y.op, 0, tf.constant(10.0))
+        seen.append(True)
+        return y
+
+    assert float(f(tf.constant(0.0))) == 11.0, VERSION
+    assert seen == [True]

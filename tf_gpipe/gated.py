@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, py_functions, remat
+from tf_gpipe import keras_compat, py_functions, remat, tf_compat
 from tf_gpipe.cell import Cell
 
 __all__ = ["call"]
@@ -72,13 +72,24 @@ def call(
             sources = list(xs) + [graph.capture(v.handle) for v in graded]
             got = [None] * len(sources)
             if pairs and sources:
-                got = tf.gradients(
-                    [t for t, _ in pairs],
-                    sources,
-                    grad_ys=[g for _, g in pairs],
-                    unconnected_gradients=tf.UnconnectedGradients.NONE,
-                    gate_gradients=True,
-                )
+                # The gradient of a loop (an RNN's while_loop) is a loop whose variables start
+                # as the forward loop's stacked per-step values, which reach this function as
+                # captured inputs. Inlined, a captured input has no device, and TensorFlow puts
+                # a lowered loop's variables where their first values come from: on the
+                # default device, while its body runs on the stage's: every time step sent
+                # its saved values across devices (benchmarks/recurrent/README.md). An
+                # identity on the stage's device keeps the loop there.
+                backward = tf.compat.v1.get_default_graph()
+                known = len(backward.get_operations())
+                with tf.device(cell.device):
+                    got = tf.gradients(
+                        [t for t, _ in pairs],
+                        sources,
+                        grad_ys=[g for _, g in pairs],
+                        unconnected_gradients=tf.UnconnectedGradients.NONE,
+                        gate_gradients=True,
+                    )
+                    _place_loop_inputs(backward.get_operations()[known:])
             by_id = {id(v): g for v, g in zip(graded, got[len(xs) :])}
             return list(got[: len(xs)]), [by_id.get(id(v)) for v in variables or []]
 
@@ -90,3 +101,16 @@ def call(
         flat[i] = t
     outputs = tf.nest.pack_sequence_as(meta["outputs"], flat)
     return outputs, meta["out_mask"], list(result[len(meta["kept"]) :])
+
+
+def _place_loop_inputs(ops: list[Any]) -> None:
+    """Feed the captured (placeholder) inputs of each loop among ``ops`` through an identity
+    made on the current device, which its lowered loop variables then take. Resource
+    handles stay as they are: a loop reads them where their variables live."""
+    for op in ops:
+        if op.type not in ("While", "StatelessWhile"):
+            continue
+        for i, t in enumerate(op.inputs):
+            if t.op.type == "Placeholder" and t.dtype != tf.resource:
+                with tf.control_dependencies(None):
+                    tf_compat.update_input(op, i, tf.identity(t))

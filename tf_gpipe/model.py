@@ -370,8 +370,9 @@ class PipelineModel(keras.Model):
         compiles every stage that allows it (warning about any that does not),
         ``False`` none. Each stage is its own XLA cluster on its own device; the
         training step around them (schedule, loss, optimizer) is not compiled,
-        since one cluster would run every stage on one device. The choice per
-        stage is in ``stage_jit``.
+        since one cluster would run every stage on one device. A stage that is not
+        re-materialized and holds a recurrent layer runs its forward in ``fit`` without
+        XLA (``tf_gpipe.stage``). The choice per stage is in ``stage_jit``.
         """
         if jit_compile not in ("auto", True, False):
             raise ValueError(f"tf_gpipe: jit_compile must be 'auto', True or False, got {jit_compile!r}.")

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from tf_gpipe import gated, handles, keras_compat, remat
@@ -111,8 +112,16 @@ class StageFunctions:
         # Inlined, each activation is freed once its gradient is made, as in plain Keras,
         # at the cost of K x M copies of the body in the optimized graph (a slower first
         # step for remat="never").
+        # Without XLA where the stage runs a recurrent layer's loop: TensorFlow's gradient of
+        # the call reads the stacks of per-step values the loop saves (TensorLists), which
+        # cannot leave an XLA function ("TensorList crossing the XLA/TF boundary"), so the
+        # first step failed. The stage's other functions keep XLA (a replay differentiates
+        # its loop inside the function).
         self._forward_taped = tf.function(
-            self._forward_taped_body, jit_compile=jit_compile, reduce_retracing=True, autograph=False
+            self._forward_taped_body,
+            jit_compile=jit_compile and not _runs_loops(cell),
+            reduce_retracing=True,
+            autograph=False,
         )
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
         # The same two, for ``inlined()`` callers. (An XLA function is never inlined.)
@@ -521,6 +530,16 @@ class StageFunctions:
             # for (a bias's needs only the output gradient): inlined, nothing else orders them.
             with tf.control_dependencies([] if after is None else [after]):
                 return in_grads, self._add_grads(var_grads)
+
+
+def _runs_loops(cell: Cell) -> bool:
+    """Whether a layer of ``cell`` (nested ones included) is a Keras recurrent layer that
+    runs as a loop over time steps (not ``unroll=True``)."""
+    return any(
+        isinstance(sub, keras.layers.RNN) and not getattr(sub, "unroll", False)
+        for layer in cell.layers
+        for sub in keras_compat.nested_layers(layer)
+    )
 
 
 def _backward_args(

@@ -50,3 +50,16 @@ def captured_source(t: Any) -> Any:
 def is_symbolic(t: Any) -> bool:
     """Whether ``t`` is a graph tensor (not an eager one). Uses ``tf.is_symbolic_tensor``."""
     return bool(tf.is_symbolic_tensor(t))
+
+
+def update_input(op: Any, index: int, tensor: Any) -> None:
+    """Make ``op`` read ``tensor`` as its input ``index``, after the op was made.
+
+    A taped stage's gradient loop is made by TensorFlow's gradient code; feeding its
+    captured inputs through an identity on the stage's device keeps the lowered loop's
+    variables there. Uses ``Operation._update_input``.
+    """
+    method = getattr(op, "_update_input", None)
+    if method is None:
+        raise _gone("Operation._update_input", "keep a recurrent stage's gradient loop on its device")
+    method(index, tensor)
