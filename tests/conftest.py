@@ -68,3 +68,11 @@ def _fresh_keras_state():
     keras.utils.set_random_seed(1234)
     with tf.device("/device:CPU:0"):
         yield
+
+
+@pytest.fixture
+def mixed_float16():
+    """Keras' mixed_float16 policy for one test."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 import tf_gpipe
 
@@ -64,3 +65,22 @@ def loss_and_grads(model, x, y, training=True):
         out = model(x, training=training)
         loss = loss_fn(y, out)
     return out, loss, tape.gradient(loss, model.trainable_variables)
+
+
+def partition_graphs(fn):
+    """The partition graphs (one per device and function) that ran while ``fn()`` ran.
+
+    The eager context keeps run metadata across calls: what earlier calls (an earlier
+    test in this process) left is exported and dropped first.
+    """
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    ctx.enable_graph_collection()  # partition graphs are collected when a function is instantiated
+    try:
+        ctx.export_run_metadata()
+        fn()
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_graph_collection()
+        ctx.disable_run_metadata()
+    return [g for f in metadata.function_graphs for g in f.partition_graphs]

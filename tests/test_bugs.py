@@ -4,7 +4,7 @@
 import keras
 import numpy as np
 import tensorflow as tf
-from helpers import assert_all_close, pair
+from helpers import assert_all_close, pair, partition_graphs
 
 import tf_gpipe
 
@@ -312,7 +312,6 @@ def test_taped_recurrent_stage_keeps_its_gradient_loop_on_its_device(cpu_devices
     stage's device; each time step crossed devices before (remat='never'/'except_last' with
     an LSTM)).
     """
-    from tensorflow.python.eager import context
 
     keras.utils.set_random_seed(0)
     layers = [
@@ -327,22 +326,8 @@ def test_taped_recurrent_stage_keeps_its_gradient_loop_on_its_device(cpu_devices
     )
     pm.compile(optimizer="sgd", loss="mse")
     x = np.random.RandomState(0).randint(1, 50, (8, 5)).astype("int32")
-    ctx = context.context()
-    ctx.enable_run_metadata()
-    ctx.enable_graph_collection()  # partition graphs are collected when a function is instantiated
-    try:
-        pm.train_on_batch(x, np.ones((8, 1), "float32"))
-        metadata = ctx.export_run_metadata()
-    finally:
-        ctx.disable_graph_collection()
-        ctx.disable_run_metadata()
-    sends = [
-        n.name
-        for f in metadata.function_graphs
-        for g in f.partition_graphs
-        for n in g.node
-        if n.op == "_Send"
-    ]
+    graphs = partition_graphs(lambda: pm.train_on_batch(x, np.ones((8, 1), "float32")))
+    sends = [n.name for g in graphs for n in g.node if n.op == "_Send"]
     assert sends, "the stage boundary crosses devices: the run metadata must show it"
     assert [s for s in sends if "while_grad" in s] == []
 

@@ -343,13 +343,6 @@ def test_config_round_trip_keeps_every_non_default_argument(source, cpu_devices)
 # ---------------------------------------------------------------- placement
 
 
-@pytest.fixture
-def mixed_float16():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_optimizer_slots_on_stage_devices_under_mixed_float16(mixed_float16):
     """The LossScaleOptimizer's inner optimizer owns the slots: they follow their variables."""
     devices = ["/device:CPU:3", "/device:CPU:1", "/device:CPU:2"]  # CPU:0 is the default elsewhere

@@ -6,8 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, data
-from tensorflow.python.eager import context
+from helpers import assert_all_close, data, partition_graphs
 
 from tf_gpipe import cluster, schedules, timeline
 
@@ -98,13 +97,6 @@ def test_deferred_batch_norm_moves_each_replicas_statistics_once_from_its_shard(
         assert_all_close([bn.moving_mean, bn.moving_variance], [ref.moving_mean, ref.moving_variance])
 
 
-@pytest.fixture
-def mixed_float16():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_mixed_float16_scales_the_loss_and_equals_the_unsplit_step(cpu_devices, mixed_float16):
     rp, seq = _pair(cpu_devices, _make(out_dtype="float32"), schedule="1f1b")
     assert type(rp.optimizer).__name__ == "LossScaleOptimizer"
@@ -140,24 +132,13 @@ def test_four_replicas_of_one_stage_stay_identical_and_equal_the_unsplit_steps(c
     assert max(np.abs(a - b).max() for a, b in zip(before, seq.get_weights())) > 1e-2
 
 
-def _partition_graphs(fn):
-    """The partition graphs (one per device) of the functions ``fn()`` runs."""
-    context.enable_run_metadata()
-    try:
-        fn()
-        metadata = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
-    return [g for f in metadata.function_graphs for g in f.partition_graphs]
-
-
 @pytest.mark.parametrize("shape", ["2x2", "4x1"])
 def test_each_stage_all_reduces_one_packed_buffer_on_its_replicas_devices(cpu_devices, shape):
     R, K_ = map(int, shape.split("x"))
     groups = [cpu_devices[r * K_ : (r + 1) * K_] for r in range(R)]
     rp, _ = _pair(cpu_devices, _make(), groups=groups)
     x, y = data(10 * R)
-    graphs = _partition_graphs(lambda: rp.train_on_batch(x, y))
+    graphs = partition_graphs(lambda: rp.train_on_batch(x, y))
     collectives = [n for g in graphs for n in g.node if n.op == "CollectiveReduceV2"]
     # One all-reduce per device, i.e. per stage of each replica: the stage's gradients
     # travel as one buffer.
@@ -199,7 +180,7 @@ def test_the_all_reduce_moves_no_gradient_between_devices_but_its_own(cpu_device
 
     # Only step's own graphs (those that read its argument): other functions that run
     # meanwhile may be recorded too.
-    graphs = _partition_graphs(lambda: step(tf.constant([1.0, 2.0])))
+    graphs = partition_graphs(lambda: step(tf.constant([1.0, 2.0])))
     graphs = [g for g in graphs if any(n.name.startswith("fills") for n in g.node)]
     assert len(graphs) == 4
     for g in graphs:

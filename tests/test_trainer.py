@@ -185,13 +185,6 @@ def test_custom_loop_with_tape_sees_the_mask():
     assert_all_close(results[0][1], results[1][1])
 
 
-@pytest.fixture
-def mixed_float16():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_masked_loss_under_loss_scaling(mixed_float16):
     def make():
         layers = _layers("dense")

@@ -11,8 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, data, mlp_layers, pair
-from tensorflow.python.eager import context
+from helpers import assert_all_close, data, mlp_layers, pair, partition_graphs
 
 from tf_gpipe import update
 from tf_gpipe.cell import move_variables
@@ -29,18 +28,10 @@ OPTIMIZERS = {
 
 def _ran(fn):
     """Run ``fn()`` and return {device: [(op type, node name), ...]} of what ran."""
-    context.enable_run_metadata()
-    try:
-        context.export_run_metadata()  # drop what earlier calls left
-        fn()
-        metadata = context.export_run_metadata()
-    finally:
-        context.disable_run_metadata()
     nodes = collections.defaultdict(list)
-    for graph in metadata.function_graphs:
-        for partition in graph.partition_graphs:
-            for node in partition.node:
-                nodes[node.device.split("/")[-1].replace("device:", "")].append((node.op, node.name))
+    for partition in partition_graphs(fn):
+        for node in partition.node:
+            nodes[node.device.split("/")[-1].replace("device:", "")].append((node.op, node.name))
     return nodes
 
 
@@ -88,13 +79,6 @@ def test_each_update_runs_on_its_stage_device(name, cpu_devices):
     seq.train_on_batch(x2, y2)
     assert_all_close(pm.get_weights(), seq.get_weights())
     assert_all_close([v for v in pm.optimizer.variables], [v for v in seq.optimizer.variables])
-
-
-@pytest.fixture
-def mixed_float16():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
 
 
 def test_loss_scale_optimizer_updates_on_stage_devices(mixed_float16, cpu_devices):
