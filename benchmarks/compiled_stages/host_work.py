@@ -12,7 +12,7 @@ engines can be compared on one machine:
     python benchmarks/compiled_stages/host_work.py --stages=8 --micro_batches=8
     python benchmarks/compiled_stages/host_work.py --root=/tmp/snapshot_of_93f9809
 
-Results: benchmarks/compiled_stages/README.md, "tenth session". Never run by the tests.
+Results: benchmarks/compiled_stages/README.md. Never run by the tests.
 """
 
 from __future__ import annotations

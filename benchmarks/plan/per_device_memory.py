@@ -2,7 +2,7 @@
 
 Logical CPUs share one allocator, so ``plan_validation.py`` can only compare the process's
 peak with the prediction summed over devices; there, momentary buffers of several devices'
-backwards that happen to run at once add up (benchmarks/plan/README.md, "s18"). Here each
+backwards that happen to run at once add up (benchmarks/plan/README.md, "Reading it"). Here each
 stage runs in a worker process of its own (TensorFlow's cluster runtime, as
 ``tf_gpipe.cluster`` uses it), so each device has its own allocator, as a GPU would, and
 its peak is read where it is: each worker answers ``reset``/``read`` on its stdin with

@@ -4,8 +4,8 @@ Every stage is one ``SerialWork`` layer (benchmarks/serial_device.py), so an act
 known time and the measured ``train_on_batch`` time can be compared with
 ``tf_gpipe.schedules.get(...).simulate(f, b).makespan``. One child process per K
 (thread pools and logical CPUs must be set before TensorFlow starts). Efficiency =
-theoretical / measured. Method, commands and results: benchmarks/schedules/README.md,
-section 1 (section 5: zb-h1, whose backward is split into B and W, measured with
+theoretical / measured. Method, commands and results: benchmarks/schedules/README.md
+(zb-h1, whose backward is split into B and W, is measured with
 ``--schedules=gpipe,1f1b,zb-h1 --m_per_k=1,2,4 --record``). Writes
 --out/schedule_efficiency.{json,png} and --image. Never run by the tests.
 """
