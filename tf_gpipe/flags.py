@@ -39,7 +39,7 @@ __all__ = [
     "setup_devices",
 ]
 
-# Balancing by measured cost; the names are accepted now and passed on unchanged.
+# Balancing by measured cost: PipelineModel profiles the layers, the flag passes the name on.
 BALANCE_METHODS = ("params", "time", "memory")
 _REMAT_MODES = ("always", "except_last", "never")  # tf_gpipe.pipeline.REMAT_MODES
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # tf_gpipe.schedules.SCHEDULES
