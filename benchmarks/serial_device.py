@@ -8,7 +8,7 @@ holds no CPU and no GIL: call ``configure_threads()`` before TensorFlow initiali
 sleeping devices never starve the inter-op pool). ``mode="stateless"`` (default) uses
 ``tf.numpy_function(stateful=False)``; ``mode="py_function"`` uses the stateful
 ``tf.py_function``, which ``tf.function`` chains across devices (no pipelining: kept to
-show that). Why, in detail: benchmarks/schedules/README.md, "The modelled device".
+show that). Why, in detail: benchmarks/schedules/README.md, "Reading it".
 Not part of the tf_gpipe package.
 """
 

@@ -41,7 +41,7 @@ from tf_gpipe import cluster, loop  # noqa: E402
 
 EXIT_WORKER_FAILED = 3
 
-# Training steps built as GPipe's loops over clock ticks (tf_gpipe.loop, the default for
+# Training steps built as GPipe's loops over micro-batches (tf_gpipe.loop, the default for
 # GPipe with remat="always" where every stage is on a CPU, a worker's included).
 LOOP_BUILDS: list[int] = []
 _run_loop = loop.run

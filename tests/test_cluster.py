@@ -250,7 +250,7 @@ def test_stages_on_worker_processes_match_one_process(workers, first_run):
     assert s["max_output_diff"] < 1e-5 and s["max_grad_diff"] < 1e-5, s
     np.testing.assert_allclose(s["loss_pm"], s["loss_seq"], rtol=1e-5)
     assert s["max_weight_diff_after_fit"] < 1e-4 and s["max_weight_change"] > 1e-2, s
-    assert s["loop_builds"] >= 1  # fit's step ran as the loops over clock ticks (the default here)
+    assert s["loop_builds"] >= 1  # fit's step ran as the loops over micro-batches (the default here)
     # Where fit's step ran (its partition graphs), as docs/cluster.md "What runs where" says.
     ops, client = s["op_devices"], s["client_device"]
     matmuls = {d for op, devices in ops.items() if "MatMul" in op for d in devices}  # oneDNN's too

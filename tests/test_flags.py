@@ -56,10 +56,27 @@ def test_script_defaults_replace_the_library_defaults():
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("true", True), ("false", False)])
-def test_tick_loop_flag(value, expected):
-    assert pipeline_flags.pipeline_kwargs(_parse([f"--tick_loop={value}"]))["tick_loop"] == expected
-    assert pipeline_flags.pipeline_kwargs(_parse(defaults={"tick_loop": expected}))["tick_loop"] == expected
-    assert "--tick_loop" in _error(["--tick_loop=maybe"])
+def test_micro_batch_loops_flag(value, expected):
+    kwargs = pipeline_flags.pipeline_kwargs(_parse([f"--micro_batch_loops={value}"]))
+    assert kwargs["tick_loop"] == expected  # PipelineModel's argument
+    kwargs = pipeline_flags.pipeline_kwargs(_parse(defaults={"micro_batch_loops": expected}))
+    assert kwargs["tick_loop"] == expected
+    assert "--micro_batch_loops" in _error(["--micro_batch_loops=maybe"])
+
+
+def test_tick_loop_is_a_deprecated_alias_of_micro_batch_loops():
+    fv = _parse(["--tick_loop=false"])
+    assert fv.micro_batch_loops == "false"
+    with pytest.warns(FutureWarning, match="--micro_batch_loops"):
+        assert pipeline_flags.pipeline_kwargs(fv)["tick_loop"] is False
+    # A script's defaults may still use the old name.
+    assert _parse(defaults={"tick_loop": True}).micro_batch_loops == "true"
+    assert "--micro_batch_loops" in _error(["--tick_loop=maybe"])
+
+
+def test_the_new_flag_name_does_not_warn(recwarn):
+    pipeline_flags.pipeline_kwargs(_parse(["--micro_batch_loops=true"]))
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
 
 
 def test_defaults_accept_python_lists():
@@ -191,7 +208,7 @@ def test_flags_build_a_model_that_trains():
             "--remat=except_last",
             "--schedule=1f1b",
             "--nodeferred_batch_norm",
-            "--tick_loop=false",
+            "--micro_batch_loops=false",
         ]
     )
     model = tf_gpipe.PipelineModel(_layers(), **pipeline_flags.pipeline_kwargs(fv))

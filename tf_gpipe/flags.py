@@ -23,6 +23,7 @@ before TensorFlow starts, with a message that names the flag.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
@@ -39,11 +40,14 @@ __all__ = [
     "setup_devices",
 ]
 
-# Balancing by measured cost; the names are accepted now and passed on unchanged.
+# Balancing by measured cost: PipelineModel profiles the layers, the flag passes the name on.
 BALANCE_METHODS = ("params", "time", "memory")
 _REMAT_MODES = ("always", "except_last", "never")  # tf_gpipe.pipeline.REMAT_MODES
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # tf_gpipe.schedules.SCHEDULES
-_TICK_LOOP = {"auto": "auto", "true": True, "false": False}  # PipelineModel(tick_loop=...)
+_LOOPS = {"auto": "auto", "true": True, "false": False}  # PipelineModel(tick_loop=...)
+# --micro_batch_loops' deprecated name, kept (as a ``defaults`` key too) so that existing
+# command lines and scripts keep working.
+_LOOPS_ALIAS = "tick_loop"
 
 FLAG_NAMES = (
     "num_stages",
@@ -54,7 +58,7 @@ FLAG_NAMES = (
     "virtual_stages",
     "balance",
     "deferred_batch_norm",
-    "tick_loop",
+    "micro_batch_loops",
     "virtual_cpus",
 )
 
@@ -130,8 +134,9 @@ def define_pipeline_flags(
     Flags: ``--num_stages``, ``--num_micro_batches``, ``--devices`` (comma list),
     ``--remat``, ``--schedule``, ``--virtual_stages``, ``--balance`` (comma list of
     layers per stage, or ``params``/``time``/``memory``), ``--deferred_batch_norm``,
-    ``--tick_loop`` (``auto``/``true``/``false``) and ``--virtual_cpus`` (logical CPUs
-    to make before TensorFlow starts; 0 = the real devices). Without ``--num_stages``,
+    ``--micro_batch_loops`` (``auto``/``true``/``false``; ``--tick_loop`` is a deprecated
+    alias) and ``--virtual_cpus`` (logical CPUs to make before TensorFlow starts; 0 = the
+    real devices). Without ``--num_stages``,
     a ``--balance`` list or ``--devices`` gives the number of stages, as in
     ``PipelineModel``.
 
@@ -159,6 +164,8 @@ def define_pipeline_flags(
     ```
     """
     defaults = dict(defaults or {})
+    if _LOOPS_ALIAS in defaults:
+        defaults.setdefault("micro_batch_loops", defaults.pop(_LOOPS_ALIAS))
     unknown = sorted(set(defaults) - set(FLAG_NAMES))
     if unknown:
         raise ValueError(
@@ -174,12 +181,12 @@ def define_pipeline_flags(
         "virtual_stages": 1,
         "balance": None,
         "deferred_batch_norm": True,
-        "tick_loop": "auto",
+        "micro_batch_loops": "auto",
         "virtual_cpus": 0,
     }
     d.update(defaults)
-    if isinstance(d["tick_loop"], bool):
-        d["tick_loop"] = str(d["tick_loop"]).lower()
+    if isinstance(d["micro_batch_loops"], bool):
+        d["micro_batch_loops"] = str(d["micro_batch_loops"]).lower()
     if isinstance(d["devices"], (list, tuple)):
         d["devices"] = ",".join(d["devices"])
     fv = flag_values
@@ -248,14 +255,15 @@ def define_pipeline_flags(
         flag_values=fv,
     )
     flags.DEFINE_enum(
-        "tick_loop",
-        d["tick_loop"],
-        list(_TICK_LOOP),
+        "micro_batch_loops",
+        d["micro_batch_loops"],
+        list(_LOOPS),
         "Build GPipe's step (remat=always) as two loops over micro-batches, so the first step does "
         "not grow with --num_micro_batches: 'auto' where every stage is on a CPU, 'true' on any "
         "device, 'false' never (one call per stage and micro-batch).",
         flag_values=fv,
     )
+    flags.DEFINE_alias(_LOOPS_ALIAS, "micro_batch_loops", flag_values=fv)
     flags.DEFINE_integer(
         "virtual_cpus",
         d["virtual_cpus"],
@@ -339,9 +347,18 @@ def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, An
     Returns:
         A dict with ``num_stages``, ``balance``, ``num_micro_batches``,
         ``devices``, ``remat``, ``schedule``, ``virtual_stages``,
-        ``deferred_batch_norm`` and ``tick_loop``.
+        ``deferred_batch_norm`` and ``tick_loop`` (from ``--micro_batch_loops``).
+
+    Warns (``FutureWarning``) when the deprecated ``--tick_loop`` was given.
     """
     fv = flag_values
+    if fv[_LOOPS_ALIAS].present:
+        warnings.warn(
+            "tf_gpipe.flags: --tick_loop is deprecated, use --micro_batch_loops (the loops run over "
+            "micro-batches, not clock ticks).",
+            FutureWarning,
+            stacklevel=2,
+        )
     balance = fv.balance
     devices = list(fv.devices) if fv.devices else None
     num_stages = fv.num_stages
@@ -356,7 +373,7 @@ def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, An
         "schedule": fv.schedule,
         "virtual_stages": fv.virtual_stages,
         "deferred_batch_norm": fv.deferred_batch_norm,
-        "tick_loop": _TICK_LOOP[fv.tick_loop],
+        "tick_loop": _LOOPS[fv.micro_batch_loops],
     }
 
 

@@ -24,6 +24,13 @@ __all__ = [
 ]
 
 
+# PipelineModel's argument (and attribute) for GPipe's loops over micro-batches. A config
+# that carries it under one of its other names loads too: --tick_loop is the deprecated
+# name of --micro_batch_loops (tf_gpipe.flags), and a file may come from either side of it.
+_LOOPS_ARGUMENT = "tick_loop"
+_LOOPS_NAMES = ("micro_batch_loops", "tick_loop")
+
+
 def get_build_config(model: Any) -> dict:
     """The input spec the model was built for: ``load_model`` rebuilds it before loading weights."""
     if model._build_spec is None:
@@ -63,7 +70,7 @@ def get_config(model: Any) -> dict:
         "virtual_stages": model.virtual_stages,
         "deferred_batch_norm": model.deferred_batch_norm,
         "side_inputs": list(model.side_inputs),
-        "tick_loop": model.tick_loop,
+        _LOOPS_ARGUMENT: getattr(model, _LOOPS_ARGUMENT),
     }
     if model._source_model is not None:  # from_model: the graph and where it was cut
         config["source_model"] = keras.saving.serialize_keras_object(model._source_model)
@@ -79,6 +86,9 @@ def from_config(cls: Any, config: dict, custom_objects: Any = None) -> Any:
     """A new ``cls`` (PipelineModel) from ``get_config``'s output."""
     # Keras' deserialization consumes nested configs in place: keep the caller's intact.
     config = copy.deepcopy(config)
+    for name in _LOOPS_NAMES:
+        if name != _LOOPS_ARGUMENT and name in config:
+            config.setdefault(_LOOPS_ARGUMENT, config.pop(name))
     if "source_model" in config:
         source = keras.saving.deserialize_keras_object(
             config.pop("source_model"), custom_objects=custom_objects

@@ -12,7 +12,7 @@ engines can be compared on one machine:
     python benchmarks/compiled_stages/host_work.py --stages=8 --micro_batches=8
     python benchmarks/compiled_stages/host_work.py --root=/tmp/snapshot_of_93f9809
 
-Results: benchmarks/compiled_stages/README.md, "tenth session". Never run by the tests.
+Results: benchmarks/compiled_stages/README.md. Never run by the tests.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ flags.DEFINE_string("root", os.path.dirname(os.path.dirname(HERE)), "Checkout wh
 flags.DEFINE_integer("stages", 8, "K.")
 flags.DEFINE_integer("micro_batches", 8, "M.")
 flags.DEFINE_float("forward_ms", 0.05, "Cost of one stage's forward action; backward: twice that.")
-flags.DEFINE_string("tick_loop", "auto", "PipelineModel(tick_loop=...): auto, true or false.")
+flags.DEFINE_string("micro_batch_loops", "auto", "PipelineModel(tick_loop=...): auto, true or false.")
 flags.DEFINE_integer("steps", 7, "Unprofiled steps timed after the profiled one (median reported).")
 flags.DEFINE_integer("top", 12, "Event names listed.")
 
@@ -58,8 +58,8 @@ def main(_):
 
     work = [sd.SerialWork(s, FLAGS.forward_ms, 2 * FLAGS.forward_ms, name=f"serial_s{s}") for s in range(K)]
     kwargs = {}
-    if FLAGS.tick_loop != "auto":  # an engine older than the option takes none
-        kwargs["tick_loop"] = FLAGS.tick_loop == "true"
+    if FLAGS.micro_batch_loops != "auto":  # an engine older than the option takes none
+        kwargs["tick_loop"] = FLAGS.micro_batch_loops == "true"
     model = tf_gpipe.PipelineModel(
         [keras.layers.InputLayer(shape=(4,))] + work,
         num_stages=K,
@@ -92,7 +92,7 @@ def main(_):
         t0 = time.perf_counter()
         model.train_on_batch(x, x)
         times.append((time.perf_counter() - t0) * 1e3)
-    print(f"# host work, K={K} M={M}, tf_gpipe from {FLAGS.root}, tick_loop={FLAGS.tick_loop}")
+    print(f"# host work, K={K} M={M}, tf_gpipe from {FLAGS.root}, loops={FLAGS.micro_batch_loops}")
     print(f"median step (unprofiled, {FLAGS.steps} steps): {statistics.median(times):.1f} ms")
     print("| event | count | ms (profiled step) |\n|---|---|---|")
     for name in ["Process", "_Send", "PartitionedCallOp", "one_step_on_data"]:

@@ -2,7 +2,7 @@
 
 Logical CPUs share one allocator, so ``plan_validation.py`` can only compare the process's
 peak with the prediction summed over devices; there, momentary buffers of several devices'
-backwards that happen to run at once add up (benchmarks/plan/README.md, "s18"). Here each
+backwards that happen to run at once add up (benchmarks/plan/README.md, "Reading it"). Here each
 stage runs in a worker process of its own (TensorFlow's cluster runtime, as
 ``tf_gpipe.cluster`` uses it), so each device has its own allocator, as a GPU would, and
 its peak is read where it is: each worker answers ``reset``/``read`` on its stdin with
@@ -41,7 +41,7 @@ from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 pv.define_candidate_flags()
-flags.DEFINE_enum("tick_loop", "auto", ["auto", "true", "false"], "PipelineModel(tick_loop=...).")
+flags.DEFINE_enum("micro_batch_loops", "auto", ["auto", "true", "false"], "PipelineModel(tick_loop=...).")
 flags.DEFINE_string("cache_dir", "/tmp/tf_gpipe_plan_probe", "Where the profile is kept (probe.py's).")
 flags.DEFINE_string("worker_cluster", "", "Internal: run as a worker of this cluster (JSON).")
 flags.DEFINE_integer("worker_task", -1, "Internal: the worker's task index.")
@@ -178,8 +178,8 @@ def _measure() -> None:
         x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
         y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
         base = [r["current"] for r in workers.ask("reset")]
-        tick_loop = {"auto": "auto", "true": True, "false": False}[FLAGS.tick_loop]
-        model = tf_gpipe.PipelineModel(layers, plan=p, tick_loop=tick_loop)
+        loops = {"auto": "auto", "true": True, "false": False}[FLAGS.micro_batch_loops]
+        model = tf_gpipe.PipelineModel(layers, plan=p, tick_loop=loops)
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)  # fmt: skip
         for _ in range(2):

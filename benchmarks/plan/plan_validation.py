@@ -54,7 +54,7 @@ flags.DEFINE_string("model", "mlp", "Internal (child): the model.")
 MiB = harness.MiB
 # The most the allocator held at the start or end of any Work host call: what the devices hold
 # between layers, without the momentary buffers (a convolution's gradient) that the peak adds
-# when they happen to meet across devices (README, "s18").
+# when they happen to meet across devices (README, "Reading it").
 HELD = {"max": 0}
 
 

@@ -13,7 +13,7 @@ gradient), and the process's CPU seconds and wall seconds per step.
     TF_CPU_ALLOCATOR_USE_BFC=true python benchmarks/plan/probe.py --model=cnn \\
         --schedule=interleaved --micro_batches=4 --virtual_stages=2 --remat=except_last
 
-Method and findings: benchmarks/plan/README.md ("s18"). Never run by the tests.
+Method and findings: benchmarks/plan/README.md. Never run by the tests.
 """
 
 from __future__ import annotations

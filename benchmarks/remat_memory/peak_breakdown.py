@@ -9,8 +9,8 @@ use peak; they are printed grouped by the op's first name scope and whether it m
 gradient (``stage1_replay``, ``stage1_replay gradients``, ...) and, with ``--blocks``, one
 by one. Blocks allocated
 before the profiled step (weights, gradient sums, the batch) are in the baseline; those
-of them freed before the peak are counted apart. Found the ungated replay gradients
-(benchmarks/remat_memory/README.md, "Update 2026-11-23 (seventh session)").
+of them freed before the peak are counted apart. It showed a replay's input gradients
+running ahead of its weight gradients, which the gated backward (``gate_gradients=True``) stops.
 
     TF_CPU_ALLOCATOR_USE_BFC=true python3 benchmarks/remat_memory/peak_breakdown.py \\
         --stages=2 --micro_batches=4 --remat=always

@@ -13,8 +13,7 @@ a ``git archive`` of another commit to measure its ``tf_gpipe``; alternate the t
     for i in 1 2 3; do for r in $S .; do
         python benchmarks/remat_memory/taped_batch_norm.py --root=$r; done; done
 
-Results: benchmarks/remat_memory/README.md ("A second backward through BatchNormalization
-moments"). Never run by the tests.
+Results: benchmarks/remat_memory/README.md. Never run by the tests.
 """
 
 from __future__ import annotations

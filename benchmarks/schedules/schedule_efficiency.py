@@ -4,8 +4,8 @@ Every stage is one ``SerialWork`` layer (benchmarks/serial_device.py), so an act
 known time and the measured ``train_on_batch`` time can be compared with
 ``tf_gpipe.schedules.get(...).simulate(f, b).makespan``. One child process per K
 (thread pools and logical CPUs must be set before TensorFlow starts). Efficiency =
-theoretical / measured. Method, commands and results: benchmarks/schedules/README.md,
-section 1 (section 5: zb-h1, whose backward is split into B and W, measured with
+theoretical / measured. Method, commands and results: benchmarks/schedules/README.md
+(zb-h1, whose backward is split into B and W, is measured with
 ``--schedules=gpipe,1f1b,zb-h1 --m_per_k=1,2,4 --record``). Writes
 --out/schedule_efficiency.{json,png} and --image. Never run by the tests.
 """
@@ -31,11 +31,11 @@ flags.DEFINE_list("m_per_k", [], "Values of M / K (e.g. 1,2,4: M in {K, 2K, 4K})
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to run (also: zb-h1).")
 flags.DEFINE_list("remats", ["never", "always"], "remat modes.")
 flags.DEFINE_enum(
-    "tick_loop",
+    "micro_batch_loops",
     "auto",
     ["auto", "true", "false"],
     "PipelineModel(tick_loop=...) for GPipe with remat=always: 'auto' (the library's default: "
-    "loops over clock ticks on CPUs), 'true' (the loops), 'false' (built out).",
+    "loops over micro-batches on CPUs), 'true' (the loops), 'false' (built out).",
 )
 flags.DEFINE_integer("virtual_stages", 2, "v for the interleaved schedule.")
 flags.DEFINE_float("forward_ms", 10.0, "f: cost of one forward action of one (whole) stage.")
@@ -156,7 +156,7 @@ def child() -> None:
             schedule=name,
             virtual_stages=v,
             tick_loop={"auto": "auto", "true": name == "gpipe" and remat == "always", "false": False}[
-                FLAGS.tick_loop
+                FLAGS.micro_batch_loops
             ],
         )
         model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
@@ -383,7 +383,7 @@ def parent() -> None:
     t_all = time.perf_counter()
     passthrough = harness.flag_args(
         ("micro_batches", "m_per_k", "schedules", "remats", "virtual_stages", "forward_ms", "backward_ms")
-        + ("weight_ms", "record", "warmup", "steps", "py_function_demo", "tick_loop")
+        + ("weight_ms", "record", "warmup", "steps", "py_function_demo", "micro_batch_loops")
     )
     for K in map(int, FLAGS.stages):
         for r in harness.stream_child(__file__, ["--child", f"--k={K}", *passthrough], env):

@@ -6,7 +6,7 @@ size GPipe's peak should grow with M and 1F1B's flatten once M >= K. One fresh c
 per (variant, M, schedule) reports TensorFlow's allocator peak during a steady step, the RSS
 peak above the built model and, recorded with ``tf_gpipe.timeline``, the stashes per device.
 Variants: ``stock``, and ``no_arith_opt`` (Grappler's arithmetic optimizer off). Method,
-command and results: benchmarks/schedules/README.md, section 2.
+command and results: benchmarks/schedules/README.md.
 """
 
 from __future__ import annotations

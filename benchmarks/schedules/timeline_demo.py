@@ -5,7 +5,7 @@ remat="never": the schedule itself, in regular boxes) saved as docs/images/timel
 and real Dense compute (remat="always", recomputations shown as "R") saved as
 docs/images/timeline_dense_<schedule>.png. Of --steps recorded steps, the one with the median
 makespan is drawn (``timeline.save_gantt``) and written as a Chrome trace to
---out/timeline_<name>.json. Command and results: benchmarks/schedules/README.md, section 3.
+--out/timeline_<name>.json. Command and results: benchmarks/schedules/README.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ and ``tf_gpipe.plan.report`` holds the chosen :class:`Plan` and its report.
 
 from __future__ import annotations
 
-import functools
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -90,18 +89,6 @@ def measure_update(optimizer: Any, device: str = "/device:CPU:0", shape=(512, 51
     return UpdateCost(max(peaks[0] / size, 0.0), max(peaks[1] / size - 1.0, 0.0))
 
 
-@functools.cache
-def _runnable(schedule: str) -> bool:
-    """Whether PipelineModel accepts ``schedule`` (it refuses split-backward ones it cannot run)."""
-    from tf_gpipe.model import PipelineModel
-
-    try:
-        PipelineModel([keras.layers.Identity()], num_micro_batches=1, schedule=schedule)
-    except ValueError:
-        return False
-    return True
-
-
 def plan(
     layers_or_model: Any,
     sample_input: Any,
@@ -140,7 +127,7 @@ def plan(
         optimizer: the optimizer (instance or name), to count its slots; or give
             ``optimizer_slots`` (default 2, Adam's).
         schedules: schedule names to weigh; default ``"gpipe"``, ``"1f1b"``,
-            ``"interleaved"``, and ``"zb-h1"`` where ``PipelineModel`` can run it.
+            ``"interleaved"`` and ``"zb-h1"``.
             ``"1f1b"`` and later compute the loss per micro-batch (see ``PipelineModel``).
         remats: remat modes to weigh.
         max_micro_batches: the largest M tried.
@@ -255,7 +242,7 @@ def plan_from_profile(
         None if isinstance(devices, int) else [devices] if isinstance(devices, str) else list(devices)
     )
     if schedules is None:
-        schedules = ["gpipe", "1f1b", "interleaved"] + (["zb-h1"] if _runnable("zb-h1") else [])
+        schedules = ["gpipe", "1f1b", "interleaved", "zb-h1"]
     options = dict(
         num_devices=list(range(1, min(count, len(profiled.layers)) + 1)),
         global_batch=global_batch,

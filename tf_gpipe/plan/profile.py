@@ -380,9 +380,9 @@ def profile_layers(
         cpu: list[float] = []
         with tf.device(device), _sandbox(layer_list):
             times = _median_times(steps + halves, warmup, repeats, cpu=cpu)
-            # Peaks of the ungated steps: the gated ones read 20-25% above what a
-            # Transformer's devices held (benchmarks/plan/README.md, "s25"), the ungated
-            # within 2-15%.
+            # Peaks of the ungated steps: gating's groups keep gradients alive in a
+            # one-layer step that the pipeline's stages free, so the gated peaks read 20-25%
+            # above what a Transformer's devices held, the ungated within 2-15%.
             peaks = _peaks(ungated, allocator) if allocator else None
             kept = [_kept(read.get_concrete_function(x).graph, marks) for read, marks, x in taped[1:]]
         per_size.append((n, records, times, kept, peaks, cpu))
