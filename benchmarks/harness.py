@@ -224,6 +224,50 @@ def transformer_block(d: int, heads: int = 4):
     return Block()
 
 
+def micro_batched_sequential(layers, num_micro_batches: int):
+    """What a user would otherwise run: a ``keras.Sequential`` of ``layers`` that trains each
+    mini-batch as ``num_micro_batches`` forward/backward passes, gradients summed (an
+    Embedding's rows kept as rows, as Keras does), one optimizer update."""
+    import keras
+    import tensorflow as tf
+
+    def add(a, b):
+        if isinstance(a, tf.IndexedSlices):
+            return tf.IndexedSlices(
+                tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+            )
+        return a + b
+
+    class MicroBatchedSequential(keras.Model):
+        def __init__(self, layers, num_micro_batches, **kwargs):
+            super().__init__(**kwargs)
+            self.seq, self.num_micro_batches = keras.Sequential(layers), num_micro_batches
+
+        def call(self, x, training=None):
+            return self.seq(x, training=training)
+
+        def train_step(self, data):
+            x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+            n = tf.cast(tf.shape(x)[0], tf.float32)
+            variables = self.trainable_variables
+            total, preds, total_loss = None, [], 0.0
+            for xi, yi in zip(tf.split(x, self.num_micro_batches), tf.split(y, self.num_micro_batches)):
+                with tf.GradientTape() as tape:
+                    pi = self(xi, training=True)
+                    # mean over the micro-batch, weighted so the sum is the mean over the batch
+                    li = self.compute_loss(x=xi, y=yi, y_pred=pi, training=True)
+                    li = li * (tf.cast(tf.shape(xi)[0], tf.float32) / n)
+                g = tape.gradient(li, variables)
+                total = g if total is None else [add(a, b) for a, b in zip(total, g)]
+                preds.append(pi)
+                total_loss = total_loss + li
+            self.optimizer.apply_gradients(zip(total, variables))
+            self._loss_tracker.update_state(total_loss, sample_weight=tf.shape(x)[0])
+            return self.compute_metrics(x, y, tf.concat(preds, 0), sw)
+
+    return MicroBatchedSequential(layers, num_micro_batches)
+
+
 def dense_stack(K: int, M: int, remat: str, depth: int, width: int, batch: int):
     """The remat-memory model and batch: ``depth`` x Dense(width, relu) + Dense(10), as a
     ``PipelineModel`` of K stages and M micro-batches (``keras.Sequential`` for K = 0),

@@ -46,35 +46,6 @@ def main(argv):
     harness.header("tf_gpipe overhead benchmark")
     M = FLAGS.micro_batches
 
-    class MicroBatchedSequential(keras.Model):
-        """Plain Keras micro-batching: M forward/backward passes, gradients summed, one update."""
-
-        def __init__(self, layers, num_micro_batches, **kwargs):
-            super().__init__(**kwargs)
-            self.seq, self.num_micro_batches = keras.Sequential(layers), num_micro_batches
-
-        def call(self, x, training=None):
-            return self.seq(x, training=training)
-
-        def train_step(self, data):
-            x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
-            n = tf.cast(tf.shape(x)[0], tf.float32)
-            variables = self.trainable_variables
-            total, preds, total_loss = None, [], 0.0
-            for xi, yi in zip(tf.split(x, self.num_micro_batches), tf.split(y, self.num_micro_batches)):
-                with tf.GradientTape() as tape:
-                    pi = self(xi, training=True)
-                    # mean over the micro-batch, weighted so the sum is the mean over the batch
-                    li = self.compute_loss(x=xi, y=yi, y_pred=pi, training=True)
-                    li = li * (tf.cast(tf.shape(xi)[0], tf.float32) / n)
-                g = tape.gradient(li, variables)
-                total = g if total is None else [a + b for a, b in zip(total, g)]
-                preds.append(pi)
-                total_loss = total_loss + li
-            self.optimizer.apply_gradients(zip(total, variables))
-            self._loss_tracker.update_state(total_loss, sample_weight=tf.shape(x)[0])
-            return self.compute_metrics(x, y, tf.concat(preds, 0), sw)
-
     def compiled(model, jit=False):
         kwargs = {} if jit == "default" else {"jit_compile": jit}
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -105,7 +76,7 @@ def main(argv):
         variants = {"pipe K=1 M=1": pipe(1)}
         for jit in (False, "default", True):
             variants[f"plain jit={jit}"] = compiled(keras.Sequential(layers()), jit)
-        variants[f"plain mb M={M}"] = compiled(MicroBatchedSequential(layers(), M))
+        variants[f"plain mb M={M}"] = compiled(harness.micro_batched_sequential(layers(), M))
         variants[f"pipe K=1 M={M}"] = pipe(M)
         if FLAGS.remat_rows:
             variants["pipe K=1 M=1 remat"] = pipe(1, "always")

@@ -93,39 +93,8 @@ def main(argv):
             keras.layers.Dense(1, activation="sigmoid"),
         ]
 
-    class MicroBatched(keras.Model):
-        """Plain Keras: M forward/backward passes, gradients summed, one update."""
-
-        def __init__(self, layers, num_micro_batches, **kwargs):
-            super().__init__(**kwargs)
-            self.seq, self.num_micro_batches = keras.Sequential(layers), num_micro_batches
-
-        def call(self, x, training=None):
-            return self.seq(x, training=training)
-
-        def train_step(self, data):
-            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-            n = tf.cast(tf.shape(x)[0], tf.float32)
-            variables, total, loss = self.trainable_variables, None, 0.0
-            for xi, yi in zip(tf.split(x, self.num_micro_batches), tf.split(y, self.num_micro_batches)):
-                with tf.GradientTape() as tape:
-                    li = self.compute_loss(x=xi, y=yi, y_pred=self(xi, training=True), training=True)
-                    li = li * (tf.cast(tf.shape(xi)[0], tf.float32) / n)
-                g = tape.gradient(li, variables)
-                total = g if total is None else [_add(a, b) for a, b in zip(total, g)]
-                loss = loss + li
-            self.optimizer.apply_gradients(zip(total, variables))
-            return {"loss": loss}
-
-    def _add(a, b):
-        if isinstance(a, tf.IndexedSlices):  # the Embedding's rows: kept as rows, as Keras does
-            return tf.IndexedSlices(
-                tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
-            )
-        return a + b
-
     models = {"keras.Sequential": keras.Sequential(layers())}
-    models[f"plain Keras, {M} micro-batches"] = MicroBatched(layers(), M)
+    models[f"plain Keras, {M} micro-batches"] = harness.micro_batched_sequential(layers(), M)
     for spec in FLAGS.pipelines:
         remat, _, engine = spec.partition(":")
         tick_loop = False if engine == "built_out" else "auto"
