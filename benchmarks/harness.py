@@ -249,11 +249,11 @@ def micro_batched_sequential(layers, num_micro_batches: int):
         def train_step(self, data):
             x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
             n = tf.cast(tf.shape(x)[0], tf.float32)
-            variables = self.trainable_variables
             total, preds, total_loss = None, [], 0.0
             for xi, yi in zip(tf.split(x, self.num_micro_batches), tf.split(y, self.num_micro_batches)):
                 with tf.GradientTape() as tape:
                     pi = self(xi, training=True)
+                    variables = self.trainable_variables  # built by the first call
                     # mean over the micro-batch, weighted so the sum is the mean over the batch
                     li = self.compute_loss(x=xi, y=yi, y_pred=pi, training=True)
                     li = li * (tf.cast(tf.shape(xi)[0], tf.float32) / n)
