@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close
+from helpers import assert_all_close, fit_both
 
 import tf_gpipe
 
@@ -47,12 +47,7 @@ def _data(n=20):
 def test_fit_with_py_function_matches_keras_sequential(schedule, remat):
     seq, pm = _pair(schedule=schedule, remat=remat)
     x, y = _data()
-    for m in (seq, pm):
-        m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    a = seq.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0).history["loss"]
-    b = pm.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0).history["loss"]
-    np.testing.assert_allclose(b, a, rtol=1e-5)
-    assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
+    fit_both(seq, pm, x, y)
 
 
 def test_tape_through_py_function_matches_keras_sequential():
