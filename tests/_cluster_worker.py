@@ -147,11 +147,17 @@ def op_devices(metadata) -> dict:
 
 
 def replicated(args) -> dict:
-    """R=2 replicas of a 2-stage pipeline, replica r on worker r's two CPUs, vs
-    keras.Sequential on the whole batch in this process."""
-    x, y = data()
+    """R=2 replicas of a 2-stage pipeline, replica r on worker r's two CPUs (2x2), and R=4
+    replicas of one stage, one per CPU of the two workers (4x1), each vs keras.Sequential
+    on the whole batch in this process."""
     devices = cluster.worker_devices(4)  # task-major: [t0/CPU0, t1/CPU0, t0/CPU1, t1/CPU1]
-    groups = [devices[0::2], devices[1::2]]
+    result = _replicated([devices[0::2], devices[1::2]])
+    result["4x1"] = _replicated([[d] for d in devices])
+    return result
+
+
+def _replicated(groups) -> dict:
+    x, y = data()
 
     def make():
         return make_layers(16, 2, dropout=False, seed=11)
@@ -170,7 +176,7 @@ def replicated(args) -> dict:
     return {
         "groups": groups,
         "placement": [sorted({v.value.device for v in r.trainable_variables}) for r in rp.replicas],
-        "max_replica_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(*w)),
+        "max_replica_diff": max(float(np.max(np.abs(a - b))) for r in w[1:] for a, b in zip(w[0], r)),
         "max_diff_vs_sequential": max(float(np.max(np.abs(a - b))) for a, b in zip(w[0], seq.get_weights())),
         "loss_replicated": hist_rp,
         "loss_sequential": hist_seq,

@@ -274,6 +274,12 @@ def test_data_x_pipeline_replicas_on_two_workers(first_run):
     assert s["max_diff_vs_sequential"] < 1e-5, s  # = one model on the 2x larger batch
     np.testing.assert_allclose(s["loss_replicated"], s["loss_sequential"], rtol=1e-5)
     assert s["loop_builds"] >= 2  # each replica's part of the step ran as the loops
+    # R=4 replicas of one stage, two on each worker: the ring crosses processes both ways.
+    four = s["4x1"]
+    assert four["placement"] == [[d] for d in DEVICES], four
+    assert four["max_replica_diff"] == 0.0, four
+    assert four["max_diff_vs_sequential"] < 1e-5, four
+    np.testing.assert_allclose(four["loss_replicated"], four["loss_sequential"], rtol=1e-5)
 
 
 def test_data_x_pipeline_in_one_process(cpu_devices):
