@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import tensorflow as tf
 
-from tf_gpipe import batchnorm, handles, remat, sparse, stage
+from tf_gpipe import batchnorm, handles, remat, sparse, stage, tf_compat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.executor import _after, _done
@@ -210,30 +210,18 @@ def _count(state: dict, s: int) -> tf.Tensor:
     return m
 
 
-@contextlib.contextmanager
-def independent_stages() -> Iterator[None]:
+def independent_stages() -> contextlib.AbstractContextManager[None]:
     """Build loops whose body has no automatic control dependencies.
 
     In a ``tf.function`` TensorFlow makes every output of a loop body wait for every
     stateful op of the body (one NoOp on no device, with a control input from each
-    stage's cond, in the tick-by-tick loops this module first built): each tick became
-    a barrier of all K stages (an iteration would now), and its control edges
-    crossed every device twice. At K=8, M=32 that doubled the loop step's host cost
-    against the built-out step's (benchmarks/compiled_stages/README.md, "eighth
-    session"). The stages need no such order: each stage's calls are chained through
-    its own data (outputs forward, the gradient-sum token backward). ``while_v2``
-    reads the flag from the graph they are built in: the private
-    ``FuncGraph._add_control_dependencies`` (``tests/test_loop.py`` checks it)."""
-    graph = tf.compat.v1.get_default_graph()
-    saved = getattr(graph, "_add_control_dependencies", None)
-    if saved is None:  # not a FuncGraph, or a TensorFlow without the flag: nothing to lift
-        yield
-        return
-    graph._add_control_dependencies = False
-    try:
-        yield
-    finally:
-        graph._add_control_dependencies = saved
+    stage's call): each iteration would be a barrier of all K stages, and its control
+    edges would cross every device twice, which doubles the loop step's host cost at
+    K=8, M=32 (benchmarks/compiled_stages/README.md). The stages need no such order:
+    each stage's calls are chained through its own data (outputs forward, the
+    gradient-sum token backward). ``tests/test_loop.py`` checks that the flag still
+    takes effect."""
+    return tf_compat.no_automatic_control_dependencies()
 
 
 def _inlined(build: _Build) -> _Build:

@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, tf_compat
 from tf_gpipe.cell import Cell
 
 __all__ = ["Record", "backward", "forward", "is_recomputing", "rematerialized"]
@@ -157,13 +157,15 @@ def _first_order_twice(*structures: Any) -> None:
     and each missing one becomes a zero fed to a backward built for them all: the
     higher-order cost again. Here the call's gradient function gets only the gradients of the
     outputs it had when made, as a tape's record of the call passes (the same cached backward
-    for B and W). Uses ``Operation._gradient_function``, which the call's op gets from
-    ``ConcreteFunction._call_flat`` in a graph.
+    for B and W). The call's op carries its own gradient function in a graph
+    (``tf_compat.gradient_function``).
     """
     for t in tf.nest.flatten(structures):
         op = getattr(t, "op", None)
-        grad = getattr(op, "_gradient_function", None)
-        if op is None or op.type not in _CALLS or grad is None or getattr(grad, "_tf_gpipe", False):
+        if op is None or op.type not in _CALLS:
+            continue
+        grad = tf_compat.gradient_function(op)
+        if grad is None or getattr(grad, "_tf_gpipe", False):
             continue
         count = len(op.outputs)
 
@@ -171,7 +173,7 @@ def _first_order_twice(*structures: Any) -> None:
             return _grad(call, *doutputs[:_count])
 
         first_order._tf_gpipe = True  # type: ignore[attr-defined]
-        op._gradient_function = first_order
+        tf_compat.set_gradient_function(op, first_order)
 
 
 def _float_tensors(structure: Any) -> list[tf.Tensor]:
