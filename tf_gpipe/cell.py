@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import keras_compat
+from tf_gpipe.batchnorm import batch_norm_layers
 
 __all__ = ["Cell"]
 
@@ -91,8 +92,6 @@ class Cell:
     def batch_norms(self) -> list:
         """The BatchNormalization layers of this cell, nested ones included."""
         if self._batch_norms is None:
-            from tf_gpipe.batchnorm import batch_norm_layers
-
             self._batch_norms = batch_norm_layers(self.layers)
         return self._batch_norms
 

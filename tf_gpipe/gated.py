@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, py_functions, remat
+from tf_gpipe import keras_compat, py_functions, replay
 from tf_gpipe.cell import Cell
 
 __all__ = ["call"]
@@ -44,7 +44,7 @@ def call(
         outputs, out_mask = cell.call(inputs, mask, training, side)
         return outputs, out_mask, list(scope.losses)
     flat_in = tf.nest.flatten(inputs)
-    float_pos = remat.float_positions(flat_in) if input_grads else []
+    float_pos = replay.float_positions(flat_in) if input_grads else []
     trainable = {id(keras_compat.backing_variable(v)) for v in cell.trainable_variables}
     meta: dict[str, Any] = {}
 
@@ -65,7 +65,7 @@ def call(
         result = [flat_out[i] for i in kept] + list(scope.losses)
 
         def grad(*dys, variables=None):
-            pairs = [(result[i], dys[i]) for i in remat.float_positions(result) if dys[i] is not None]
+            pairs = [(result[i], dys[i]) for i in replay.float_positions(result) if dys[i] is not None]
             # The trainable ones, by the handle the forward function captured: what the
             # forward read. Frozen weights get no gradient, as from Keras' own fit.
             graded = [v for v in variables or [] if id(v) in trainable]

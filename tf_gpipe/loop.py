@@ -49,10 +49,9 @@ from typing import Any, TypeVar, cast
 
 import tensorflow as tf
 
-from tf_gpipe import batchnorm, handles, remat, sparse, stage, tf_compat
+from tf_gpipe import batchnorm, handles, ordering, remat, replay, sparse, stage, tf_compat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
-from tf_gpipe.executor import _after, _done
 from tf_gpipe.microbatch import Split
 
 __all__ = ["MIN_MICRO_BATCHES", "applies", "chosen", "run"]
@@ -324,7 +323,9 @@ def run(
             with handles.replaced(handles.unpack(forward_handles[s], state["handles", s])):
                 rec = remat.forward(
                     cell,
-                    _after(_done(state["out", s][:1]), x),  # after this stage's previous forward
+                    ordering.after(
+                        ordering.done(state["out", s][:1]), x
+                    ),  # after this stage's previous forward
                     mask,
                     True,
                     remat=True,
@@ -439,7 +440,7 @@ def run(
             # Dropped after this backward, as the executor drops each record (the read
             # above, of this list's version before the write, still sees it).
             state["in", s] = ins[s].free(stash, m)
-            record = remat.Record(
+            record = replay.Record(
                 inputs=x,
                 mask=mask,
                 outputs=None,

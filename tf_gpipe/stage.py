@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import gated, handles, keras_compat, remat
+from tf_gpipe import gated, handles, keras_compat, replay
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, _attach_mask
 
@@ -206,7 +206,7 @@ class StageFunctions:
     def _add_body(self, grads, nonempty, after):
         self.traces["sum"] += 1
         with tf.control_dependencies([] if after is None else [after]):
-            return self._add_grads([remat._mask_grad(g, nonempty) for g in grads])
+            return self._add_grads([replay.mask_grad(g, nonempty) for g in grads])
 
     def _add_grads(self, grads: list[Any]) -> tuple[tf.Tensor, list[Any]]:
         """Add the dense gradients to their sums. Returns ``(token, rows)``: the token is
@@ -336,7 +336,7 @@ class StageFunctions:
                     )
             skipped = local.skipped_variables(bns) if bns else set()
             written = [v for k, v in scope.written.items() if k not in skipped]
-            before = [remat._read(v) for v in written]
+            before = [replay.read_stored(v) for v in written]
             writes = []
             for v, old in zip(written, before):
                 new = scope.get_current_value(v)
@@ -465,7 +465,7 @@ class StageFunctions:
         cell = self.cell
         written = self._written[(training, defer)]
         flat_in = tf.nest.flatten(inputs)
-        float_pos = remat.float_positions(flat_in)
+        float_pos = replay.float_positions(flat_in)
         arrived = [g for g in [*output_grads, *loss_grads, after] if g is not None]
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_replay"):
             # The recomputation waits for the incoming gradient: run earlier, it would
@@ -477,7 +477,7 @@ class StageFunctions:
             with tf.control_dependencies(arrived):
                 swapped = [tf.identity(t) if isinstance(t, tf.Tensor) else t for t in flat_in]
             replay_in = [swapped[i] for i in float_pos]
-            record = remat.Record(
+            record = replay.Record(
                 inputs=tf.nest.pack_sequence_as(inputs, swapped),
                 mask=mask,
                 outputs=None,
@@ -495,7 +495,7 @@ class StageFunctions:
             with tape or contextlib.nullcontext():
                 if tape is not None:
                     tape.watch(replay_in)
-                outputs, losses = remat._replay(cell, record, training)
+                outputs, losses = replay.run(cell, record, training)
             if marker is not None:
                 recorder, device = marker
                 done = [t for t in tf.nest.flatten(outputs) + list(losses) if t is not None]
@@ -503,7 +503,7 @@ class StageFunctions:
                 with tf.control_dependencies([mark]):
                     output_grads = [None if g is None else tf.identity(g) for g in output_grads]
                     loss_grads = [None if g is None else tf.identity(g) for g in loss_grads]
-            in_grads, var_grads = remat.tape_gradients(
+            in_grads, var_grads = replay.tape_gradients(
                 tape,
                 list(tf.nest.flatten(outputs)) + list(losses),
                 list(output_grads) + list(loss_grads),

@@ -61,3 +61,17 @@ def balance_by(
     _checked([0.0] * len(layer_list), num_stages)  # fail before profiling
     costs = estimators[method](layer_list, spec if sample is None else sample, **kwargs)
     return solvers[solver](costs, num_stages)
+
+
+def balance_by_cost(method: str, layers: list, spec: Any, num_stages: int | None, v: int) -> list[int]:
+    """``PipelineModel(balance="params" | "time" | "memory")``: the balance ``method`` gives
+    ``num_stages * v`` cells, measured on ``spec``, or an error that says what to pass."""
+    if num_stages is None:
+        raise ValueError(f"tf_gpipe: balance={method!r} needs num_stages (how many stages to balance).")
+    if spec is None:
+        raise ValueError(
+            f"tf_gpipe: balance={method!r} measures each layer on a sample input, so the input "
+            "shape must be known: start the layers with keras.Input(shape=...), or compute it with "
+            f"tf_gpipe.balance.balance_by({method!r}, layers, num_stages, sample) and pass the list."
+        )
+    return balance_by(method, layers, num_stages * v, spec)

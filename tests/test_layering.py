@@ -1,0 +1,110 @@
+"""The modules of tf_gpipe form layers: each imports only from below, so none needs an
+import inside a function to break a cycle, and a reader can take them in order.
+
+The import graph is read from the source with ``ast``, imports inside functions
+included (they close a cycle as well as top-level ones, only later). A submodule's
+package ``__init__`` runs before it, but only imports written out count: that is the
+order Python resolves and the one a reader follows.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tf_gpipe"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, str]:
+    """``{module name: its source}`` for every module of the package."""
+    return {_module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, source: str, modules: set[str], is_package: bool) -> set[str]:
+    """The package's modules that ``source`` (module ``name``) imports, anywhere in it."""
+
+    def owner(dotted: str) -> str | None:  # the module a dotted name lives in
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(owner(a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package upwards
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            for a in node.names:  # `from pkg import submodule` imports the submodule
+                found.add(owner(f"{base}.{a.name}"))
+    return {m for m in found if m is not None and m != name}
+
+
+def import_graph(sources: dict[str, str], packages: set[str] | None = None) -> dict[str, set[str]]:
+    """``{module: the package's modules it imports}``; ``packages`` are the ``__init__`` ones."""
+    packages = packages if packages is not None else _packages()
+    modules = set(sources)
+    return {name: _imports(name, src, modules, name in packages) for name, src in sources.items()}
+
+
+def _packages() -> set[str]:
+    return {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    cycle = find_cycle(import_graph(_sources()))
+    assert cycle is None, (
+        "tf_gpipe's modules import each other in a cycle: "
+        + " -> ".join(cycle or [])
+        + ". Move what they share into the lower module, or into a small module of its own."
+    )
+
+
+def test_the_check_sees_a_cycle_closed_inside_a_function():
+    sources = {
+        "tf_gpipe.low": "def f():\n    from tf_gpipe import high\n",
+        "tf_gpipe.high": "from tf_gpipe.low import f\n",
+        "tf_gpipe.other": "import tf_gpipe.low\n",
+    }
+    assert find_cycle(import_graph(sources, set())) == ["tf_gpipe.high", "tf_gpipe.low", "tf_gpipe.high"]
+    sources["tf_gpipe.low"] = "def f():\n    pass\n"
+    assert find_cycle(import_graph(sources, set())) is None
+
+
+def test_the_graph_resolves_every_kind_of_import():
+    graph = import_graph(_sources())
+    assert "tf_gpipe.loop" in graph["tf_gpipe.executor"]  # from tf_gpipe import loop
+    assert "tf_gpipe.balance" in graph["tf_gpipe.model"]  # from tf_gpipe.balance import ...
+    assert "tf_gpipe.balance.profile" in graph["tf_gpipe.balance"]  # the package's __init__
+    assert len(graph) > 40
