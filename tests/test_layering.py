@@ -108,3 +108,69 @@ def test_the_graph_resolves_every_kind_of_import():
     assert "tf_gpipe.balance" in graph["tf_gpipe.model"]  # from tf_gpipe.balance import ...
     assert "tf_gpipe.balance.profile" in graph["tf_gpipe.balance"]  # the package's __init__
     assert len(graph) > 40
+
+
+def private_reads(sources: dict[str, str], packages: set[str] | None = None) -> list[str]:
+    """``module:line: name`` for each private name (``_x``) a module takes from another
+    module of the package: ``from tf_gpipe.m import _x``, or ``m._x`` on an imported
+    module. Within one subpackage (``tf_gpipe.cluster``) its modules may share privates."""
+    modules = set(sources)
+    packages = packages if packages is not None else _packages()
+
+    def subpackage(module: str) -> str | None:  # tf_gpipe.cluster for tf_gpipe.cluster[.x]
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 or (len(parts) == 2 and module in packages) else None
+
+    def same_subpackage(a: str, b: str) -> bool:
+        return subpackage(a) is not None and subpackage(a) == subpackage(b)
+
+    found = []
+    for name, source in sources.items():
+        tree = ast.parse(source)
+        aliases: dict[str, str] = {}  # local name -> the package's module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tf_gpipe"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in modules:
+                        aliases[a.asname or a.name] = full
+                    elif a.name.startswith("_") and not same_subpackage(name, node.module or ""):
+                        found.append(f"{name}:{node.lineno}: from {node.module} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != name
+                and not same_subpackage(name, aliases[node.value.id])
+            ):
+                found.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reads_another_modules_privates():
+    found = private_reads(_sources())
+    assert not found, (
+        "tf_gpipe modules read other modules' private names (make what they share public in "
+        "the module that owns it; internal modules say so with __all__ = []):\n" + "\n".join(found)
+    )
+
+
+def test_the_check_sees_a_private_read():
+    sources = {
+        "tf_gpipe.low": "def _f():\n    pass\n",
+        "tf_gpipe.high": "from tf_gpipe import low\nfrom tf_gpipe.low import _f\nlow._f()\n",
+        "tf_gpipe.sub": "from tf_gpipe.sub.b import _g\n",
+        "tf_gpipe.sub.a": "from tf_gpipe.sub.b import _g\n",
+        "tf_gpipe.sub.b": "def _g():\n    pass\n",
+    }
+    assert private_reads(sources, {"tf_gpipe.sub"}) == [
+        "tf_gpipe.high:2: from tf_gpipe.low import _f",
+        "tf_gpipe.high:3: low._f",
+    ]

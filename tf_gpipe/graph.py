@@ -12,7 +12,7 @@ from keras import tree
 
 from tf_gpipe import keras_compat, structure
 from tf_gpipe.balance import solve_minmax
-from tf_gpipe.balance.profile import _median_times, _sandbox
+from tf_gpipe.balance.profile import median_times, sandbox
 from tf_gpipe.partition import check_tied_layers, split_by_balance
 
 __all__ = ["GraphStage", "from_model", "graph_nodes", "split_graph"]
@@ -213,7 +213,7 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
         values[id(x)] = tf.zeros(shape, dtype=x.dtype)
     steps = []
     ops = [n.operation for n in nodes if isinstance(n.operation, keras.layers.Layer)]
-    with _sandbox(ops):
+    with sandbox(ops):
         for node in nodes:
             args, kwargs = keras_compat.node_arguments(node, values)
             call = keras_compat.operation_caller(node.operation, True)
@@ -235,4 +235,4 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
                 )
 
             steps.append(tf.function(step, autograph=False))
-        return _median_times(steps, warmup=1, repeats=repeats)
+        return median_times(steps, warmup=1, repeats=repeats)

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tf_gpipe import gated, handles, keras_compat, replay
 from tf_gpipe.batchnorm import DeferredStats
-from tf_gpipe.cell import Cell, _attach_mask
+from tf_gpipe.cell import Cell, attach_mask
 
 __all__ = ["StageFunctions", "functions", "inlined"]
 
@@ -57,12 +57,12 @@ def _inline() -> bool:
 
 def functions(cell: Cell) -> StageFunctions:
     """The stage functions of ``cell``, made on first use and remade when its XLA choice changes."""
-    fns = getattr(cell, "_stage_functions", None)
+    fns = cell.stage_functions
     jit = bool(getattr(cell, "jit_compile", False))
     eager = bool(getattr(cell, "run_eagerly", False))
     if fns is None or (fns.jit_compile, fns.eager) != (jit, eager):
         fns = StageFunctions(cell, jit, eager)
-        cell._stage_functions = fns  # type: ignore[attr-defined]
+        cell.stage_functions = fns
     return fns
 
 
@@ -88,9 +88,7 @@ class StageFunctions:
         self.backward_halves: set = set()
         # Per trainable variable (by id): where fit's backward passes sum its gradient.
         # Kept on the cell: they outlive a remake of its functions (a new XLA choice).
-        if not hasattr(cell, "_gradient_sums"):
-            cell._gradient_sums = {}  # type: ignore[attr-defined]
-        self._sums: dict[int, tf.Variable] = cell._gradient_sums  # type: ignore[attr-defined]
+        self._sums: dict[int, tf.Variable] = cell.gradient_sums
         # Found while tracing: the variables that get a gradient, and those that get rows.
         self.graded: set = set()
         self.sparse: set = set()
@@ -272,7 +270,7 @@ class StageFunctions:
         if out_mask is not None:
             # A Keras mask does not leave a function on its tensor; a loss or a layer
             # reading the outputs expects it there, as after keras.Sequential's last layer.
-            _attach_mask(outputs, out_mask)
+            attach_mask(outputs, out_mask)
         return outputs, out_mask, list(losses), list(before)
 
     def forward_outputs(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tf_gpipe.balance.profile import Layers, _layer_list, by_memory, by_params, by_time
+from tf_gpipe.balance.profile import Layers, by_memory, by_params, by_time, listed_layers
 from tf_gpipe.balance.report import report
-from tf_gpipe.balance.solvers import _checked, solve_min_variance, solve_minmax, stage_costs
+from tf_gpipe.balance.solvers import solve_min_variance, solve_minmax, stage_costs
 
 __all__ = [
     "METHODS",
@@ -57,8 +57,8 @@ def balance_by(
         raise ValueError(f"tf_gpipe: unknown balance method {method!r}; use one of {list(METHODS)}.")
     if solver not in solvers:
         raise ValueError(f"tf_gpipe: unknown solver {solver!r}; use one of {list(SOLVERS)}.")
-    layer_list, spec = _layer_list(layers)
-    _checked([0.0] * len(layer_list), num_stages)  # fail before profiling
+    layer_list, spec = listed_layers(layers)
+    solve_minmax([0.0] * len(layer_list), num_stages)  # fail before profiling, as the solver would
     costs = estimators[method](layer_list, spec if sample is None else sample, **kwargs)
     return solvers[solver](costs, num_stages)
 
