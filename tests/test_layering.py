@@ -174,3 +174,44 @@ def test_the_check_sees_a_private_read():
         "tf_gpipe.high:2: from tf_gpipe.low import _f",
         "tf_gpipe.high:3: low._f",
     ]
+
+
+# The modules whose __all__ is public API (docs/api.md): what tf_gpipe/__init__.py exports
+# from, and the public subpackages. Every other module is the engine's own.
+EXPORTING = ("tf_gpipe.model", "tf_gpipe.devices", "tf_gpipe.replay")
+PUBLIC = {"tf_gpipe", "tf_gpipe.timeline", "tf_gpipe.flags", *EXPORTING}
+PUBLIC_PACKAGES = ("tf_gpipe.schedules", "tf_gpipe.balance", "tf_gpipe.cluster", "tf_gpipe.plan")
+
+
+def declared_all(source: str) -> list[str] | None:
+    """The names a module's ``__all__`` lists (a literal list), or None if it has none."""
+    for node in ast.parse(source).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id == "__all__" and isinstance(node.value, ast.List):
+            return [ast.literal_eval(e) for e in node.value.elts]
+    return None
+
+
+def test_internal_modules_say_so():
+    """``__all__ = []`` in each internal module, as torchgpipe's: that a name has no
+    underscore makes it shared inside the package, not public."""
+    public = [
+        name
+        for name, source in _sources().items()
+        if name not in PUBLIC
+        and not name.startswith(PUBLIC_PACKAGES)
+        and name != "tf_gpipe.cluster.__main__"
+        and declared_all(source) != []
+    ]
+    assert not public, f"internal modules without `__all__: list[str] = []`: {public}"
+
+
+def test_a_public_modules_all_is_what_tf_gpipe_exports_from_it():
+    exported: dict[str, set[str]] = {}
+    for node in ast.parse(_sources()["tf_gpipe"]).body:
+        if isinstance(node, ast.ImportFrom) and node.module in EXPORTING:
+            exported.setdefault(node.module, set()).update(a.name for a in node.names)
+    sources = _sources()
+    assert {m: set(declared_all(sources[m]) or []) for m in EXPORTING} == exported

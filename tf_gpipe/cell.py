@@ -13,7 +13,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat
 from tf_gpipe.batchnorm import batch_norm_layers
 
-__all__ = ["Cell"]
+__all__: list[str] = []
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from tf_gpipe import loop, ordering, remat, replay, sparse, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
-__all__ = ["accumulate", "run_schedule"]
+__all__: list[str] = []
 
 # Loss hooks the model supplies. Either the whole mini-batch loss once every forward
 # is done (fill-drain only), or a loss per micro-batch right after its last forward.

@@ -29,7 +29,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat, py_functions, replay
 from tf_gpipe.cell import Cell
 
-__all__ = ["call"]
+__all__: list[str] = []
 
 
 def call(

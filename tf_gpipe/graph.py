@@ -15,7 +15,7 @@ from tf_gpipe.balance import solve_minmax
 from tf_gpipe.balance.profile import median_times, sandbox
 from tf_gpipe.partition import check_tied_layers, split_by_balance
 
-__all__ = ["GraphStage", "from_model", "graph_nodes", "split_graph"]
+__all__: list[str] = []
 
 
 def graph_nodes(model: keras.Model) -> list:

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from tf_gpipe import tf_compat
 
-__all__ = ["Packed", "call", "captured", "pack", "replaced", "unpack"]
+__all__: list[str] = []
 
 _local = threading.local()  # replicas trace in threads of their own
 

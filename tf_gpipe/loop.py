@@ -54,7 +54,7 @@ from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
-__all__ = ["MIN_MICRO_BATCHES", "applies", "chosen", "run"]
+__all__: list[str] = []
 
 # Fewer micro-batches than this and the executor builds every action: at M = 1 nothing
 # is summed, and the loops would only add their machinery.

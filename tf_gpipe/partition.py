@@ -10,7 +10,7 @@ import keras
 
 from tf_gpipe import keras_compat
 
-__all__ = ["check_tied_layers", "even_balance", "split_by_balance", "unpack_layers"]
+__all__: list[str] = []
 
 T = TypeVar("T")
 

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tf_gpipe import tf_compat
 
-__all__ = ["replayed"]
+__all__: list[str] = []
 
 _GRADIENT = "TfGpipeReplayedPyFunction"
 

@@ -27,7 +27,7 @@ from tf_gpipe import gated, handles, keras_compat, replay
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, attach_mask
 
-__all__ = ["StageFunctions", "functions", "inlined"]
+__all__: list[str] = []
 
 _local = threading.local()  # replicas trace in threads of their own
 
