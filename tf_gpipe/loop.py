@@ -21,9 +21,9 @@ stage's actions are chained, forward through its previous output and backward th
 gradient-sum token, both loop variables, so each device runs its actions in GPipe's order,
 as the executor's control dependencies make it, and no iteration waits for the stages
 after it. No stage ever idles in a loop: no conditionals, none of the K - 1 clock ticks a
-tick-by-tick loop spends filling and draining the pipe (the version before this one; its
-conds and ticks cost twice the host work per step, benchmarks/compiled_stages/README.md,
-"tenth session"). The option keeps its name: ``PipelineModel(tick_loop=...)``.
+tick-by-tick loop spends filling and draining the pipe (conds and ticks would cost twice
+the host work per step, benchmarks/compiled_stages/README.md). The option is still named
+after them: ``PipelineModel(tick_loop=...)``.
 
 Within an iteration a stage hands its outputs (backward: its input gradients) straight to
 the next. What a stage's backward needs of its forwards (its inputs, side inputs and mask,

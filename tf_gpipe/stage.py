@@ -38,8 +38,8 @@ def inlined() -> Iterator[None]:
 
     For a graph that calls each stage function once (the loops over micro-batches,
     ``tf_gpipe.loop``), inlining adds no copies, and each action then runs without a
-    function call of its own (host work per action, benchmarks/compiled_stages/README.md,
-    "tenth session"). A graph that calls them once per micro-batch keeps the calls
+    function call of its own (less host work per action, benchmarks/compiled_stages/README.md).
+    A graph that calls them once per micro-batch keeps the calls
     (``_noinline``, see ``StageFunctions``). Inlined, a body's ops no longer wait for all
     of the call's inputs, nor its outputs for its writes: the forward and backward bodies
     spell out the orders they need when traced in this scope."""
