@@ -197,7 +197,7 @@ def run_schedule(
             with tf.name_scope(f"stage{s}_mb{m}_{names[action.kind]}"), tf.device(cell.device):
                 deps = last.get(d, []) + ordering.done(dy)
                 if to_sums and s not in summed:  # the stage's first addition: its sums start at 0
-                    summed[s] = stage.functions(cell).zero_sums()
+                    summed[s] = stage.functions(cell).sums.zero()
                 start = mark("start " + tag, d, deps)
                 # Stage 0's input needs no gradient: its split B has nothing to compute.
                 if not (halves and input_half and s == 0):
@@ -239,5 +239,5 @@ def run_schedule(
                 if id(v) in rows:
                     totals[id(v)] = sparse.combine(rows[id(v)], id(v) in free)
     for s, token in summed.items():
-        totals.update(stage.functions(cells[s]).read_sums(token))
+        totals.update(stage.functions(cells[s]).sums.read(token))
     return outputs, out_masks, totals, cell_losses

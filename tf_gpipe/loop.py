@@ -416,7 +416,7 @@ def run(
             output_grads = in_grads_of[s].spec_structure()
     for s in range(S):
         with tf.device(cells[s].device):
-            state["token", s] = [fns[s].zero_sums(inline=True)]
+            state["token", s] = [fns[s].sums.zero(inline=True)]
             state["micro_batch", s] = [tf.constant(0)]
             state["handles", s] = backward_handles[s].tensors
             for i, _, layout in rows[s]:
@@ -487,5 +487,5 @@ def run(
                 values, indices = state["rows", s, i]
                 parts = [tf.IndexedSlices(values.read(m), indices.read(m), dense_shape) for m in range(M)]
                 totals[id(variables[i])] = sparse.combine(parts, id(variables[i]) in free)
-        totals.update(fns[s].read_sums(state["token", s][0], inline=True))
+        totals.update(fns[s].sums.read(state["token", s][0], inline=True))
     return outputs, out_masks, totals, cell_losses

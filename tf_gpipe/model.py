@@ -394,7 +394,7 @@ class PipelineModel(keras.Model):
     def _build_gradient_sums(self) -> None:
         if self.built and self.num_micro_batches > 1:
             for cell in self._pipeline.cells:
-                stage.functions(cell).sums(cell.trainable_variables)
+                stage.functions(cell).sums.variables(cell.trainable_variables)
 
     def get_compile_config(self) -> dict:
         config = super().get_compile_config()

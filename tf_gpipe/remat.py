@@ -141,7 +141,7 @@ def backward(
     (replay and gradients in one function, traced once). ``tracer``, a
     ``(Recorder, device, tag)`` triple, marks the end of the recomputation on a
     timeline. With ``to_sums`` (``fit``) the gradients of ``cell.trainable_variables``
-    are added to the stage's gradient sums (``StageFunctions.sums``) and a token, ready
+    are added to the stage's gradient sums (``tf_gpipe.gradient_sums``) and a token, ready
     once they are, is returned in place of the variable grads; ``after`` is then the
     token of the stage's previous addition (or of the sums' zeroing).
 
@@ -195,7 +195,7 @@ def backward(
             None if to_sums else record.nonempty,  # to_sums: masked inside add_to_sums
         )
     if to_sums:
-        return in_grads, stage.functions(cell).add_to_sums(var_grads, record.nonempty, after)
+        return in_grads, stage.functions(cell).sums.add(var_grads, record.nonempty, after)
     return in_grads, var_grads
 
 
