@@ -162,6 +162,7 @@ def set_backing_variable(variable: Any, value: Any) -> None:
     variable._value = value
 
 
+# ------------------------------------------------------------------------------ optimizers
 def colocate_optimizer_slots(optimizer: Any) -> None:
     """Make ``optimizer`` (and a ``LossScaleOptimizer``'s inner one) create each slot on its
     variable's device. Keras asks the distribution strategy to, which the default one
