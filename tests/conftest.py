@@ -1,7 +1,7 @@
 """Test setup: split the host CPU into logical devices before TensorFlow initializes.
 
 On a machine with GPUs the suite compares like with like: TF32 is off for the whole
-session (float32 matmuls on a GPU then round as on a CPU), and every test runs with
+test run (float32 matmuls on a GPU then round as on a CPU), and every test runs with
 ``/CPU:0`` as its default device, so unsplit references run on the same kind of device
 as the stages the tests place on logical CPUs. Tests that leave ``devices=None`` put
 their stages wherever ``tf_gpipe.devices.default_devices`` says (GPUs when visible).
@@ -36,7 +36,7 @@ import pytest  # noqa: E402
 from tensorflow.python.framework import ops as _tf_ops  # noqa: E402
 
 # The modules' objects (~400k after importing TensorFlow and Keras) live as long as the
-# session: keep them out of every full garbage collection (clear_session runs one).
+# test run: keep them out of every full garbage collection (clear_session runs one).
 gc.freeze()
 
 

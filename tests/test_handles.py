@@ -1,5 +1,5 @@
 """tf_gpipe.handles: a function's captured handles replaced by tensors of the caller's graph
-(TensorFlow's private ConcreteFunction._call_flat), and handles stacked per device."""
+(tf_compat.call_with_captures), and handles stacked per device."""
 
 import tensorflow as tf
 

@@ -16,7 +16,7 @@ from helpers import assert_all_close, record_slots
 import tf_gpipe
 from tf_gpipe import keras_compat
 from tf_gpipe.batchnorm import DeferredStats, batch_norm_layers
-from tf_gpipe.cell import Cell, _attach_mask, _eager_build_scope
+from tf_gpipe.cell import Cell, attach_mask, eager_build_scope
 
 VERSION = f"Keras {keras.__version__}"
 
@@ -275,8 +275,8 @@ def test_suspend_stateless_scope_builds_real_variables():
             layer.build((None, 3))
         assert keras_compat.current_stateless_scope() is scope, VERSION
     assert layer.kernel.numpy().shape == (3, 2), VERSION
-    # cell._eager_build_scope, which builds every stage, relies on it.
-    with keras.StatelessScope(), _eager_build_scope("/device:CPU:0"):
+    # cell.eager_build_scope, which builds every stage, relies on it.
+    with keras.StatelessScope(), eager_build_scope("/device:CPU:0"):
         assert keras_compat.current_stateless_scope() is None, VERSION
 
 
@@ -495,13 +495,13 @@ def test_sequential_functional_holds_the_graph():
 # ------------------------------------------------------------------------------ failing loudly
 def test_a_missing_mask_api_fails_loudly_naming_the_keras_version(monkeypatch):
     """The 3.16 break: get/set_keras_mask gone from where tf_gpipe looks. A stage must not
-    silently stop passing masks on (cell._attach_mask once swallowed the AttributeError)."""
+    silently stop passing masks on (cell.attach_mask once swallowed the AttributeError)."""
     from keras.src.backend.common import masking
 
     monkeypatch.delattr(masking, "set_keras_mask")
     x, mask = tf.ones((1, 2, 3)), tf.constant([[True, False]])
     with pytest.raises(keras_compat.KerasCompatError, match=rf"Keras {keras.__version__} .*set_keras_mask"):
-        _attach_mask(x, mask)
+        attach_mask(x, mask)
     cell = Cell(0, [keras.layers.Dense(3)], "/device:CPU:0")
     with pytest.raises(keras_compat.KerasCompatError, match=r"keras_compat\.py"):
         cell.call(x, mask, training=False)

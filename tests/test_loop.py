@@ -263,7 +263,7 @@ def test_no_iteration_waits_for_the_other_stages():
     after it), never for a stage that follows it: no barrier of all stages per iteration.
     In a tf.function TensorFlow makes every output of a loop body wait for every stateful
     op in it, so the loop is built without those dependencies
-    (``loop.independent_stages``, a private TensorFlow flag: this fails if an upgrade
+    (``loop_state.independent_stages``, a private TensorFlow flag: this fails if an upgrade
     ignores it)."""
     checked = 0
     for body in _loop_bodies(_step_graph(6, True)):

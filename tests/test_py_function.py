@@ -62,15 +62,3 @@ def test_tape_through_py_function_matches_keras_sequential():
         return [loss] + tape.gradient(loss, model.trainable_variables)
 
     assert_all_close(step(pm), step(seq), rtol=1e-5, atol=1e-6)
-
-
-def test_python_function_of_a_py_function_op():
-    # The TensorFlow internal the replayed gradient relies on (tf_gpipe.py_functions).
-    from tf_gpipe import py_functions
-
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.py_function(lambda t: t * 2.0 + 1.0, [tf.constant([1.0])], tf.float32)
-    (op,) = [op for op in graph.get_operations() if op.type == "EagerPyFunc"]
-    function = py_functions._python_function(op)  # tf.py_function's wrapper of the lambda
-    assert float(tf.reshape(function(tf.constant([3.0])), [])) == 7.0

@@ -10,7 +10,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, loss_and_grads, pair
 
 import tf_gpipe
-from tf_gpipe import remat
+from tf_gpipe import replay
 
 
 def dropout_bn_layers(seed=11):
@@ -55,13 +55,13 @@ def test_naive_recompute_would_be_wrong(monkeypatch):
     does) draws new dropout masks, so the gradients differ. The test above can fail."""
     x, y = data(12)
     _, _, g_ok, _ = _grads_for("always", x, y, False)
-    real_replay = remat._replay
+    real_replay = replay.run
 
     def naive(cell, record, training):
         record.replay_state = []
         return real_replay(cell, record, training)
 
-    monkeypatch.setattr(remat, "_replay", naive)
+    monkeypatch.setattr(replay, "run", naive)
     _, _, g_naive, _ = _grads_for("always", x, y, False)
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(g_ok, g_naive)]
     assert max(diffs) > 1e-3
@@ -156,15 +156,15 @@ def test_read_is_the_stored_value_as_the_enclosing_scope_maps_it():
     autocast one (inside a mixed-precision layer's call ``variable.value`` is float16)."""
     v = keras.Variable(np.zeros(3, "float32"))
     with keras.StatelessScope(state_mapping=[(v, tf.ones(3))]):
-        assert np.array_equal(remat._read(v).numpy(), np.ones(3))
-    assert np.array_equal(remat._read(v).numpy(), np.zeros(3))
+        assert np.array_equal(replay.read_stored(v).numpy(), np.ones(3))
+    assert np.array_equal(replay.read_stored(v).numpy(), np.zeros(3))
 
     class Reads(keras.layers.Layer):
         def build(self, input_shape):
             self.w = self.add_weight(shape=(2,), initializer="ones")
 
         def call(self, x):
-            self.seen = (self.w.value.dtype, remat._read(self.w).dtype)
+            self.seen = (self.w.value.dtype, replay.read_stored(self.w).dtype)
             return x
 
     layer = Reads(dtype="mixed_float16")

@@ -1,5 +1,8 @@
 """The private TensorFlow behaviour tf_gpipe relies on, one test per hook."""
 
+import contextlib
+import importlib
+
 import pytest
 import tensorflow as tf
 
@@ -49,6 +52,158 @@ def test_a_missing_captures_fails_loudly(monkeypatch):
         return x
 
     f(tf.ones(1))
+
+
+def test_call_with_captures_feeds_other_captured_inputs():
+    a, b = tf.Variable(1.0), tf.Variable(2.0)
+
+    @tf.function
+    def read_a(x):
+        return a.read_value() + x
+
+    concrete = read_a.get_concrete_function(tf.TensorSpec([], tf.float32))
+
+    @tf.function
+    def step():
+        inputs = [b.handle if t is a.handle else t for t in concrete.captured_inputs]
+        return tf_compat.call_with_captures(concrete, [tf.constant(10.0)], inputs)
+
+    assert float(step()) == 12.0, VERSION
+
+
+def _while_body_control_inputs(lift):
+    """The control inputs of the loop body's outputs, the loop built with the flag lowered or not."""
+    v = tf.Variable(0.0)
+
+    @tf.function
+    def f():
+        def body(i):
+            v.assign_add(1.0)  # a stateful op the automatic dependencies would make i wait for
+            return (i + 1,)
+
+        with tf_compat.no_automatic_control_dependencies() if lift else contextlib.nullcontext():
+            return tf.while_loop(lambda i: i < 2, body, (tf.constant(0),))
+
+    graph_def = f.get_concrete_function().graph.as_graph_def()
+    bodies = [fn for fn in graph_def.library.function if "body" in fn.signature.name]
+    return [i for fn in bodies for n in fn.node_def for i in n.input if i.startswith("^")]
+
+
+def test_no_automatic_control_dependencies_leaves_the_loop_body_unordered():
+    assert _while_body_control_inputs(lift=False), VERSION  # what the hook takes away
+    assert not _while_body_control_inputs(lift=True), VERSION
+
+
+def test_no_automatic_control_dependencies_restores_the_flag():
+    seen = []
+
+    @tf.function
+    def f():
+        graph = tf.compat.v1.get_default_graph()
+        with tf_compat.no_automatic_control_dependencies():
+            seen.append(graph._add_control_dependencies)
+        seen.append(graph._add_control_dependencies)
+        return tf.constant(0)
+
+    f()
+    assert seen == [False, True], VERSION
+
+
+def test_gradient_function_of_a_function_call():
+    @tf.function
+    def square(x):
+        return x * x
+
+    @tf.function
+    def step(x):
+        y = square(x)
+        assert y.op.type in ("StatefulPartitionedCall", "PartitionedCall")
+        own = tf_compat.gradient_function(y.op)
+        assert own is not None, VERSION
+        assert tf_compat.gradient_function(x.op) is None, VERSION  # a plain op: by its type
+        tf_compat.set_gradient_function(y.op, lambda op, dy: [own(op, dy)[0] * 10.0])
+        return tf.gradients(y, x)[0]
+
+    assert float(step(tf.constant(3.0))) == 60.0, VERSION
+
+
+def test_py_function_callable_of_a_py_function_op():
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.py_function(lambda t: t * 2.0 + 1.0, [tf.constant([1.0])], tf.float32)
+    (op,) = [op for op in graph.get_operations() if op.type == "EagerPyFunc"]
+    function = tf_compat.py_function_callable(op)  # tf.py_function's wrapper of the lambda
+    assert float(tf.reshape(function(tf.constant([3.0])), [])) == 7.0, VERSION
+
+
+def test_op_determinism_enabled():
+    from tensorflow.python.framework import config
+
+    assert not tf_compat.op_determinism_enabled(), VERSION
+    tf.config.experimental.enable_op_determinism()
+    try:
+        assert tf_compat.op_determinism_enabled(), VERSION
+    finally:
+        config.disable_op_determinism()
+
+
+def test_server_def_is_none_outside_a_cluster():
+    assert tf_compat.server_def() is None, VERSION
+
+
+@pytest.mark.parametrize(
+    "module, name, hook",
+    [
+        ("tensorflow.python.framework.config", "is_op_determinism_enabled", tf_compat.op_determinism_enabled),
+        ("tensorflow.python.eager.context", "get_server_def", tf_compat.server_def),
+    ],
+)
+def test_a_missing_module_function_fails_loudly(monkeypatch, module, name, hook):
+    monkeypatch.delattr(importlib.import_module(module), name)
+    with pytest.raises(tf_compat.TFCompatError, match=rf"TensorFlow {tf.__version__} no longer.*{name}"):
+        hook()
+
+
+def test_a_missing_py_function_registry_fails_loudly(monkeypatch):
+    from tensorflow.python.ops import script_ops
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.py_function(lambda t: t, [tf.constant([1.0])], tf.float32)
+    (op,) = [op for op in graph.get_operations() if op.type == "EagerPyFunc"]
+    monkeypatch.delattr(script_ops, "_py_funcs")
+    with pytest.raises(tf_compat.TFCompatError, match=r"_py_funcs.*remat='always'"):
+        tf_compat.py_function_callable(op)
+
+
+def test_a_missing_call_flat_fails_loudly():
+    class Concrete:  # a ConcreteFunction of a TensorFlow without _call_flat
+        pass
+
+    with pytest.raises(tf_compat.TFCompatError, match=r"_call_flat"):
+        tf_compat.call_with_captures(Concrete(), [], [])
+
+
+def test_a_missing_gradient_function_fails_loudly():
+    class Op:  # an Operation of a TensorFlow without _gradient_function
+        pass
+
+    with pytest.raises(tf_compat.TFCompatError, match=r"_gradient_function"):
+        tf_compat.gradient_function(Op())  # type: ignore[arg-type]
+    with pytest.raises(tf_compat.TFCompatError, match=r"_gradient_function"):
+        tf_compat.set_gradient_function(Op(), lambda *_: None)  # type: ignore[arg-type]
+
+
+def test_a_missing_control_dependencies_flag_fails_loudly(monkeypatch):
+    class Graph:  # a graph of a TensorFlow without the flag
+        pass
+
+    monkeypatch.setattr(tf.compat.v1, "get_default_graph", Graph)
+    with (
+        pytest.raises(tf_compat.TFCompatError, match=r"_add_control_dependencies"),
+        tf_compat.no_automatic_control_dependencies(),
+    ):
+        pass
 
 
 def test_update_input_rewires_an_op():

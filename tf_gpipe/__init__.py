@@ -10,7 +10,7 @@ from tf_gpipe import schedules, timeline  # noqa: E402
 from tf_gpipe.devices import configure_virtual_cpus, exact_float32  # noqa: E402
 from tf_gpipe.model import PipelineModel  # noqa: E402
 from tf_gpipe.plan import Plan, plan  # noqa: E402  (the function shadows the package name)
-from tf_gpipe.remat import is_recomputing  # noqa: E402
+from tf_gpipe.replay import is_recomputing  # noqa: E402
 from tf_gpipe.schedules import bubble_fraction  # noqa: E402
 
 # Keras' legacy .h5 format (ModelCheckpoint("best.h5"), model.save("m.h5")) records the bare

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["check_backend"]
+__all__: list[str] = []
 
 
 def check_backend() -> None:

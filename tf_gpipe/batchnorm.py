@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tf_gpipe import keras_compat
 
-__all__ = ["DeferredStats", "batch_norm_layers", "merge", "moments"]
+__all__: list[str] = []
 
 
 def batch_norm_layers(layers: Sequence[keras.layers.Layer]) -> list[keras.layers.BatchNormalization]:

@@ -11,12 +11,13 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import keras_compat
+from tf_gpipe.batchnorm import batch_norm_layers
 
-__all__ = ["Cell"]
+__all__: list[str] = []
 
 
 @contextlib.contextmanager
-def _eager_build_scope(device: str) -> Iterator[None]:
+def eager_build_scope(device: str) -> Iterator[None]:
     """Create variables eagerly on ``device``, even from inside a trace.
 
     Keras may first touch the model inside ``backend.compute_output_spec`` (a
@@ -35,7 +36,7 @@ def _call_parameters(layer: keras.layers.Layer) -> set:
         return set()
 
 
-def _layer_kwargs(
+def layer_kwargs(
     layer: keras.layers.Layer, mask: Any, training: bool | None, side: dict | None = None
 ) -> dict:
     # The arguments keras.Sequential passes to each layer, plus any side input the
@@ -86,13 +87,18 @@ class Cell:
         self.jit_compile = False  # compile this stage's functions with XLA (PipelineModel.compile)
         self.run_eagerly = False  # run its layers op by op (compile(run_eagerly=True))
         self._batch_norms: list | None = None
+        # What other modules keep per stage, here so that it lives as long as the stage: its
+        # traced functions (``tf_gpipe.stage``), the variables fit sums its gradients in (they
+        # outlive a remake of the functions for a new XLA choice), and the ids of the
+        # variables whose gradient rows do not grow with the batch (``tf_gpipe.sparse``).
+        self.stage_functions: Any = None
+        self.gradient_sums: dict[int, tf.Variable] = {}
+        self.batch_free_rows: frozenset[int] | None = None
 
     @property
     def batch_norms(self) -> list:
         """The BatchNormalization layers of this cell, nested ones included."""
         if self._batch_norms is None:
-            from tf_gpipe.batchnorm import batch_norm_layers
-
             self._batch_norms = batch_norm_layers(self.layers)
         return self._batch_norms
 
@@ -114,11 +120,11 @@ class Cell:
         """Build every layer on this cell's device; return the output spec (KerasTensors)."""
         for layer in self.layers:
             _move_variables(layer, self.device)
-        with _eager_build_scope(self.device):
+        with eager_build_scope(self.device):
             x, mask = spec, None
             for layer in self.layers:
                 try:
-                    x = _symbolic_call(layer, x, _layer_kwargs(layer, mask, None, side))
+                    x = _symbolic_call(layer, x, layer_kwargs(layer, mask, None, side))
                 except Exception as e:  # name the layer: the traceback alone is hard to read
                     raise type(e)(
                         f"tf_gpipe: building layer {layer.name!r} of stage {self.index} "
@@ -138,9 +144,9 @@ class Cell:
         """
         x = inputs
         if mask is not None:
-            _attach_mask(x, mask)
+            attach_mask(x, mask)
         for layer in self.layers:
-            x = layer(x, **_layer_kwargs(layer, mask, training, side))
+            x = layer(x, **layer_kwargs(layer, mask, training, side))
             mask = tf.nest.map_structure(keras_compat.get_keras_mask, x)
         if all(m is None for m in tf.nest.flatten(mask)):
             mask = None
@@ -235,7 +241,7 @@ def move_variables(variables: Any, device: str) -> None:
         raw = keras_compat.backing_variable(v)
         if not isinstance(raw, tf.Variable) or _on_device(raw.device, target):
             continue
-        with _eager_build_scope(device):
+        with eager_build_scope(device):
             moved = tf.Variable(
                 raw.read_value(),
                 trainable=raw.trainable,
@@ -246,7 +252,7 @@ def move_variables(variables: Any, device: str) -> None:
         keras_compat.set_backing_variable(v, moved)
 
 
-def _attach_mask(x: Any, mask: Any) -> None:
+def attach_mask(x: Any, mask: Any) -> None:
     # Never swallow an error here: a stage would silently stop passing masks on.
     xs, ms = tf.nest.flatten(x), tf.nest.flatten(mask)
     if len(xs) == len(ms):

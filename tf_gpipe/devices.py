@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 
-__all__ = ["configure_virtual_cpus", "default_devices", "exact_float32", "resolve_devices"]
+__all__ = ["configure_virtual_cpus", "exact_float32"]
 
 
 def configure_virtual_cpus(n: int) -> list[str]:

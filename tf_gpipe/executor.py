@@ -25,11 +25,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import remat, sparse, stage
+from tf_gpipe import loop, ordering, remat, replay, sparse, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
-__all__ = ["accumulate", "run_schedule"]
+__all__: list[str] = []
 
 # Loss hooks the model supplies. Either the whole mini-batch loss once every forward
 # is done (fill-drain only), or a loss per micro-batch right after its last forward.
@@ -51,41 +51,6 @@ def accumulate(total, g):
             total.dense_shape,
         )
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(g)
-
-
-def _after(deps: Sequence[Any], structure: Any) -> Any:
-    """``structure`` re-issued so that its consumers wait for ``deps``."""
-    deps = [d for d in deps if d is not None]
-    if not deps:
-        return structure
-    with tf.control_dependencies(deps):
-        return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), structure)
-
-
-_CALLS = ("StatefulPartitionedCall", "PartitionedCall")
-
-
-def _done(*structures: Any) -> list[tf.Tensor]:
-    """Tensors that are ready once every tensor of ``structures`` is computed.
-
-    Each is read through an Identity: a control dependency on a function's output
-    would, were TensorFlow to inline the function, wait only for the function's side
-    effects, not for its outputs. The stage functions are never inlined (``_noinline``)
-    and a call's outputs are ready together, so one output of each call stands for
-    all of them: one op per call, not one per tensor.
-    """
-    out, calls = [], set()
-    for s in structures:
-        for t in tf.nest.flatten(s):
-            if t is None:
-                continue
-            t = t.values if isinstance(t, tf.IndexedSlices) else t
-            if not tf.executing_eagerly() and t.op.type in _CALLS:
-                if t.op.name in calls:
-                    continue
-                calls.add(t.op.name)
-            out.append(tf.identity(t))
-    return out
 
 
 def _whole_batch_grads(schedule: Any, batch_loss: BatchLossFn | None, outputs, out_masks):
@@ -148,15 +113,14 @@ def run_schedule(
             f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
             f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
         )
-    if tick_loop:
-        from tf_gpipe import loop  # imported here: it builds on this module's helpers
-
-        if loop.chosen(tick_loop, cells) and loop.applies(
-            schedule, cells, split, masks, rematerializes, sides, tracer
-        ):
-            # GPipe with every stage re-materialized: 2K call sites, not O(K x M).
-            return loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
-    records: dict[tuple[int, int], remat.Record] = {}
+    if (
+        tick_loop
+        and loop.chosen(tick_loop, cells)
+        and loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer)
+    ):
+        # GPipe with every stage re-materialized: 2K call sites, not O(K x M).
+        return loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
+    records: dict[tuple[int, int], replay.Record] = {}
     grads_in: dict[tuple[int, int], list[tf.Tensor | None]] = {}
     outputs: list[Any] = [None] * M
     out_masks: list[Any] = [None] * M
@@ -168,7 +132,7 @@ def run_schedule(
     cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
     # Split schedules: (record, output gradients, loss gradients) from each B, kept for its W.
     halves = bool(getattr(schedule, "split_backward", False))
-    weights_due: dict[tuple[int, int], tuple[remat.Record, Any, list[Any]]] = {}
+    weights_due: dict[tuple[int, int], tuple[replay.Record, Any, list[Any]]] = {}
     names = {"B": "backward", "W": "weight_grads"}
 
     def mark(label: str, device: int, deps: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -185,8 +149,8 @@ def run_schedule(
             x = split.chunks[m] if s == 0 else records[(s - 1, m)].outputs
             mask = masks[m] if s == 0 else records[(s - 1, m)].out_mask
             with tf.name_scope(f"stage{s}_mb{m}"), tf.device(cell.device):
-                start = mark("start " + tag, d, last.get(d, []) + _done(x))
-                x = _after(start, x)
+                start = mark("start " + tag, d, last.get(d, []) + ordering.done(x))
+                x = ordering.after(start, x)
                 rec = remat.forward(
                     cell,
                     x,
@@ -202,7 +166,7 @@ def run_schedule(
             records[(s, m)] = rec
             cell_losses[m].extend(rec.losses)
             with tf.device(cell.device):
-                last[d] = mark("end " + tag, d, _done(rec.outputs))
+                last[d] = mark("end " + tag, d, ordering.done(rec.outputs))
             if s == S - 1:
                 outputs[m], out_masks[m] = rec.outputs, rec.out_mask
                 if micro_loss is not None:
@@ -231,17 +195,17 @@ def run_schedule(
             grads: list[Any] = []
             in_grads: list[Any] = []
             with tf.name_scope(f"stage{s}_mb{m}_{names[action.kind]}"), tf.device(cell.device):
-                deps = last.get(d, []) + _done(dy)
+                deps = last.get(d, []) + ordering.done(dy)
                 if to_sums and s not in summed:  # the stage's first addition: its sums start at 0
-                    summed[s] = stage.functions(cell).zero_sums()
+                    summed[s] = stage.functions(cell).sums.zero()
                 start = mark("start " + tag, d, deps)
                 # Stage 0's input needs no gradient: its split B has nothing to compute.
                 if not (halves and input_half and s == 0):
                     in_grads, result = remat.backward(
                         cell,
                         rec,
-                        _after(start, dy),
-                        _after(start, loss_grads),
+                        ordering.after(start, dy),
+                        ordering.after(start, loss_grads),
                         True,
                         variables,
                         need_input_grads=input_half and s > 0,
@@ -263,7 +227,7 @@ def run_schedule(
                 grads_in[(s - 1, m)] = in_grads
             with tf.device(cell.device):
                 token = summed.get(s) if weight_half else None
-                last[d] = mark("end " + tag, d, _done(in_grads, token, grads) or start)
+                last[d] = mark("end " + tag, d, ordering.done(in_grads, token, grads) or start)
     totals: dict[int, Any] = {}
     for s, (x, mask, side) in probe_specs.items():
         free: frozenset[int] = frozenset()
@@ -275,5 +239,5 @@ def run_schedule(
                 if id(v) in rows:
                     totals[id(v)] = sparse.combine(rows[id(v)], id(v) in free)
     for s, token in summed.items():
-        totals.update(stage.functions(cells[s]).read_sums(token))
+        totals.update(stage.functions(cells[s]).sums.read(token))
     return outputs, out_masks, totals, cell_losses

@@ -8,7 +8,7 @@ with ``tf.gradients`` ungated. Ungated, the runtime runs the chain of input grad
 ahead of the weight gradients, and every layer's saved activation and incoming gradient
 wait for a weight gradient that has not run yet: at K=2, M=2 on a 32-layer MLP the step
 held 25 input gradients (8 MiB each) beside the saved activations at its peak
-(benchmarks/remat_memory/README.md, "Update 2026-11-23 (eighth session)").
+(benchmarks/remat_memory/README.md).
 
 ``call`` runs ``Cell.call`` inside a ``tf.custom_gradient`` whose gradient is
 ``tf.gradients(..., gate_gradients=True)`` over the same forward ops: each op hands on the
@@ -17,7 +17,7 @@ stages' backward (``stage.py``) does. TensorFlow still builds the backward funct
 saves the activations it reads; only the order inside it changes. Only while tracing a
 function: eagerly (``run_eagerly``) ``cell.call`` runs as it is. The cost: gating takes
 some freedom of order from the runtime, about 3% of the steady step of a small
-Transformer at K=4, M=16 (benchmarks/compiled_stages/README.md, "eighth session").
+Transformer at K=4, M=16 (benchmarks/compiled_stages/README.md).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, py_functions, remat, tf_compat
+from tf_gpipe import keras_compat, py_functions, replay, tf_compat
 from tf_gpipe.cell import Cell
 
-__all__ = ["call"]
+__all__: list[str] = []
 
 
 def call(
@@ -44,7 +44,7 @@ def call(
         outputs, out_mask = cell.call(inputs, mask, training, side)
         return outputs, out_mask, list(scope.losses)
     flat_in = tf.nest.flatten(inputs)
-    float_pos = remat.float_positions(flat_in) if input_grads else []
+    float_pos = replay.float_positions(flat_in) if input_grads else []
     trainable = {id(keras_compat.backing_variable(v)) for v in cell.trainable_variables}
     meta: dict[str, Any] = {}
 
@@ -65,7 +65,7 @@ def call(
         result = [flat_out[i] for i in kept] + list(scope.losses)
 
         def grad(*dys, variables=None):
-            pairs = [(result[i], dys[i]) for i in remat.float_positions(result) if dys[i] is not None]
+            pairs = [(result[i], dys[i]) for i in replay.float_positions(result) if dys[i] is not None]
             # The trainable ones, by the handle the forward function captured: what the
             # forward read. Frozen weights get no gradient, as from Keras' own fit.
             graded = [v for v in variables or [] if id(v) in trainable]

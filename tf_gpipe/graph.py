@@ -6,12 +6,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
+import tensorflow as tf
 from keras import tree
 
 from tf_gpipe import keras_compat, structure
+from tf_gpipe.balance import solve_minmax
+from tf_gpipe.balance.profile import median_times, sandbox
 from tf_gpipe.partition import check_tied_layers, split_by_balance
 
-__all__ = ["GraphStage", "from_model", "graph_nodes", "split_graph"]
+__all__: list[str] = []
 
 
 def graph_nodes(model: keras.Model) -> list:
@@ -54,8 +58,6 @@ def from_model(
     if balance is None:
         node_balance = [len(g) for g in split_by_balance(nodes, cells, None)]
     elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
-        from tf_gpipe.balance import solve_minmax
-
         node_balance = solve_minmax(node_costs(model, balance), cells)
     else:
         node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
@@ -183,11 +185,6 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
     zero batch of ``batch_size``, median of ``repeats`` calls (BatchNorm statistics
     and dropout seeds are put back after).
     """
-    import numpy as np
-    import tensorflow as tf
-
-    from tf_gpipe.balance.profile import _median_times, _sandbox
-
     nodes = graph_nodes(model)
     seen: set = set()
     params = []
@@ -216,7 +213,7 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
         values[id(x)] = tf.zeros(shape, dtype=x.dtype)
     steps = []
     ops = [n.operation for n in nodes if isinstance(n.operation, keras.layers.Layer)]
-    with _sandbox(ops):
+    with sandbox(ops):
         for node in nodes:
             args, kwargs = keras_compat.node_arguments(node, values)
             call = keras_compat.operation_caller(node.operation, True)
@@ -238,4 +235,4 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
                 )
 
             steps.append(tf.function(step, autograph=False))
-        return _median_times(steps, warmup=1, repeats=repeats)
+        return median_times(steps, warmup=1, repeats=repeats)

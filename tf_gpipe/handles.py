@@ -15,8 +15,8 @@ scope (``call``) take those tensors in place of the captured handles. Only CPU d
 a ``Pack`` kernel for resource handles, so handles on other devices (GPUs) stay as they
 are: one input each, as before.
 
-``call`` uses TensorFlow's private ``ConcreteFunction._call_flat``, what ``tf.function``
-itself calls with a function's captured inputs; ``tests/test_handles.py`` checks it.
+``call`` feeds a function other captured inputs than its own through
+``tf_compat.call_with_captures`` (a private TensorFlow API).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["Packed", "call", "captured", "pack", "replaced", "unpack"]
+from tf_gpipe import tf_compat
+
+__all__: list[str] = []
 
 _local = threading.local()  # replicas trace in threads of their own
 
@@ -98,6 +100,5 @@ def call(fn: Any, *args: Any) -> Any:
     if not table or not hasattr(fn, "get_concrete_function"):
         return fn(*args)
     concrete = fn.get_concrete_function(*args)
-    flat = concrete.function_type.unpack_inputs(concrete.function_type.bind(*args))
     inputs = [table.get(id(t), t) for t in concrete.captured_inputs]
-    return concrete._call_flat(flat, captured_inputs=inputs)
+    return tf_compat.call_with_captures(concrete, args, inputs)

@@ -14,10 +14,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, tf_compat
 from tf_gpipe.cell import Cell
 
-__all__ = ["choose_jit", "stage_supports_jit"]
+__all__: list[str] = []
 
 
 def stage_supports_jit(cell: Cell) -> bool:
@@ -36,10 +36,8 @@ def choose_jit(cells: list[Cell], jit_compile: Any, run_eagerly: bool = False) -
     layer allows it, op determinism is off). ``True``: every stage that allows it,
     with a warning naming the layers of any that does not. ``False``: none.
     """
-    from tensorflow.python.framework.config import is_op_determinism_enabled
-
     accelerator = any(d.device_type != "CPU" for d in tf.config.list_physical_devices())
-    deterministic = is_op_determinism_enabled()
+    deterministic = tf_compat.op_determinism_enabled()
     choices, refused = [], []
     for cell in cells:
         allowed = stage_supports_jit(cell) and not deterministic

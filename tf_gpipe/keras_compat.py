@@ -25,45 +25,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = [
-    "KerasCompatError",
-    "RecordingScope",
-    "aggregate_additional_loss",
-    "backing_variable",
-    "batch_norm_reduction_axes",
-    "call_takes_mask",
-    "call_takes_training",
-    "clear_losses",
-    "colocate_optimizer_slots",
-    "compiled_loss",
-    "current_stateless_scope",
-    "factored_slots",
-    "first_call_argument",
-    "flat_compiled_losses",
-    "functional_nodes",
-    "get_keras_mask",
-    "inputs_structure",
-    "keep_input_dtypes",
-    "loss_tracker",
-    "model_compute_loss",
-    "nested_layers",
-    "node_arguments",
-    "observe_batch_norm_moments",
-    "operation_caller",
-    "optimizer_own_variables",
-    "outputs_structure",
-    "overridable",
-    "sequential_functional",
-    "set_backing_variable",
-    "set_initial_epoch",
-    "set_keras_mask",
-    "skip_default_all_reduce",
-    "standardize_inputs",
-    "suspend_stateless_scope",
-    "track_checkpoint_dependency",
-    "unscale_loss_for_distribution",
-    "update_on_variable_device",
-]
+__all__: list[str] = []
 
 
 class KerasCompatError(RuntimeError):
@@ -200,6 +162,7 @@ def set_backing_variable(variable: Any, value: Any) -> None:
     variable._value = value
 
 
+# ------------------------------------------------------------------------------ optimizers
 def colocate_optimizer_slots(optimizer: Any) -> None:
     """Make ``optimizer`` (and a ``LossScaleOptimizer``'s inner one) create each slot on its
     variable's device. Keras asks the distribution strategy to, which the default one

@@ -21,9 +21,9 @@ stage's actions are chained, forward through its previous output and backward th
 gradient-sum token, both loop variables, so each device runs its actions in GPipe's order,
 as the executor's control dependencies make it, and no iteration waits for the stages
 after it. No stage ever idles in a loop: no conditionals, none of the K - 1 clock ticks a
-tick-by-tick loop spends filling and draining the pipe (the version before this one; its
-conds and ticks cost twice the host work per step, benchmarks/compiled_stages/README.md,
-"tenth session"). The option keeps its name: ``PipelineModel(tick_loop=...)``.
+tick-by-tick loop spends filling and draining the pipe (conds and ticks would cost twice
+the host work per step, benchmarks/compiled_stages/README.md). The option is still named
+after them: ``PipelineModel(tick_loop=...)``.
 
 Within an iteration a stage hands its outputs (backward: its input gradients) straight to
 the next. What a stage's backward needs of its forwards (its inputs, side inputs and mask,
@@ -42,20 +42,18 @@ every micro-batch size.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import tensorflow as tf
 
-from tf_gpipe import batchnorm, handles, remat, sparse, stage
+from tf_gpipe import batchnorm, handles, loop_state, ordering, remat, replay, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
-from tf_gpipe.executor import _after, _done
 from tf_gpipe.microbatch import Split
 
-__all__ = ["MIN_MICRO_BATCHES", "applies", "chosen", "run"]
+__all__: list[str] = []
 
 # Fewer micro-batches than this and the executor builds every action: at M = 1 nothing
 # is summed, and the loops would only add their machinery.
@@ -96,144 +94,6 @@ def applies(
     # TensorArrays hold dense tensors only (no SparseTensor or RaggedTensor input).
     leaves = tf.nest.flatten((split.chunks, list(masks), list(sides or [])))
     return all(t is None or isinstance(t, tf.Tensor) for t in leaves)
-
-
-def _relaxed_spec(spec: tf.TensorSpec) -> tf.TensorSpec:
-    if spec.shape.rank in (None, 0):
-        return spec
-    return tf.TensorSpec([None, *spec.shape.as_list()[1:]], spec.dtype)
-
-
-def _spec(t: Any) -> Any:
-    return None if t is None else tf.TensorSpec(t.shape, t.dtype)
-
-
-def _zeros(spec: tf.TensorSpec) -> tf.Tensor:
-    """A stand-in of ``spec``'s structure: no rows where the size is unknown."""
-    return tf.zeros([0 if d is None else d for d in spec.shape.as_list()], spec.dtype)
-
-
-class _Layout:
-    """A nested structure of tensors or specs as a flat list without its Nones, and back."""
-
-    def __init__(self, structure: Any, relax: bool = False):
-        self.structure = structure
-        flat = tf.nest.flatten(structure)
-        self.positions = [i for i, t in enumerate(flat) if t is not None]
-        self.size = len(flat)
-        specs = [_spec(flat[i]) for i in self.positions]
-        self.specs = [_relaxed_spec(s) for s in specs] if relax else specs
-
-    def compress(self, structure: Any) -> list[tf.Tensor]:
-        flat = tf.nest.flatten(structure)
-        if len(flat) != self.size or any(flat[i] is None for i in self.positions):
-            raise RuntimeError("tf_gpipe: a stage changed the structure of its values between micro-batches.")
-        return [flat[i] for i in self.positions]
-
-    def expand(self, values: Sequence[Any]) -> Any:
-        full: list[Any] = [None] * self.size
-        for i, v in zip(self.positions, values):
-            full[i] = v
-        return tf.nest.pack_sequence_as(self.structure, full)
-
-    def relaxed(self) -> _Layout:
-        """This layout with a leading dimension of unknown size."""
-        return _Layout(self.structure, relax=True)
-
-    def spec_structure(self) -> Any:
-        return self.expand(self.specs)
-
-    def zeros(self, relax: bool = False) -> list[tf.Tensor]:
-        return [_zeros(_relaxed_spec(s) if relax else s) for s in self.specs]
-
-    def arrays(self, size: int) -> list[tf.TensorArray]:
-        # Of any leading size, so that an entry can be freed (``free``) once read.
-        return [
-            tf.TensorArray(s.dtype, size=size, infer_shape=False, element_shape=_relaxed_spec(s).shape)
-            for s in self.specs
-        ]
-
-    def read(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
-        return [tf.ensure_shape(a.read(m), s.shape) for a, s in zip(arrays, self.specs)]
-
-    def free(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.TensorArray]:
-        """``arrays`` with entry ``m`` replaced by rows of none (where it has rows)."""
-        return [
-            a.write(m, _zeros(_relaxed_spec(s))) if s.shape.rank else a for a, s in zip(arrays, self.specs)
-        ]
-
-
-def _write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) -> list[tf.TensorArray]:
-    return [a.write(m, v) for a, v in zip(arrays, values)]
-
-
-def _loop(state: dict, iterations: int, iteration: Callable[[tf.Tensor], None], specs: dict) -> None:
-    """Run ``iteration(i)`` for ``i`` in ``range(iterations)`` as a ``tf.while_loop`` whose loop
-    variables are everything in ``state`` (lists of tensors and TensorArrays), updated
-    in place. The entries of ``specs`` (key: a ``_Layout``) enter with its shapes, which
-    may leave sizes unknown that the stand-ins they start as have."""
-    keys = sorted(state, key=repr)
-    shaped = tf.compat.v1.placeholder_with_default
-    for k, layout in specs.items():
-        values = []
-        for v, spec in zip(state[k], layout.specs):
-            with tf.device(v.device):  # where the value is: its loop variable's ops go with it
-                values.append(shaped(v, spec.shape))
-        state[k] = values
-    lengths = [len(state[k]) for k in keys]
-
-    def unpack(values):
-        it = iter(values)
-        for k, n in zip(keys, lengths):
-            state[k] = [next(it) for _ in range(n)]
-
-    def body(i, *values):
-        unpack(values)
-        iteration(i)
-        return (i + 1, *[v for k in keys for v in state[k]])
-
-    start = (tf.constant(0), *[v for k in keys for v in state[k]])
-    with independent_stages():
-        # Every iteration may run at once: each stage's actions are chained through its own
-        # loop variables, so the iterations overlap as far as the stages' order allows.
-        _, *values = tf.while_loop(
-            lambda i, *_: i < iterations, body, start, parallel_iterations=max(iterations, 1)
-        )
-    unpack(values)
-
-
-def _count(state: dict, s: int) -> tf.Tensor:
-    """Stage ``s``'s micro-batch index in this iteration. Each stage counts for itself: the
-    loop's own counter lives on one device, and every other device would read it."""
-    m = state["micro_batch", s][0]
-    state["micro_batch", s] = [m + 1]
-    return m
-
-
-@contextlib.contextmanager
-def independent_stages() -> Iterator[None]:
-    """Build loops whose body has no automatic control dependencies.
-
-    In a ``tf.function`` TensorFlow makes every output of a loop body wait for every
-    stateful op of the body (one NoOp on no device, with a control input from each
-    stage's cond, in the tick-by-tick loops this module first built): each tick became
-    a barrier of all K stages (an iteration would now), and its control edges
-    crossed every device twice. At K=8, M=32 that doubled the loop step's host cost
-    against the built-out step's (benchmarks/compiled_stages/README.md, "eighth
-    session"). The stages need no such order: each stage's calls are chained through
-    its own data (outputs forward, the gradient-sum token backward). ``while_v2``
-    reads the flag from the graph they are built in: the private
-    ``FuncGraph._add_control_dependencies`` (``tests/test_loop.py`` checks it)."""
-    graph = tf.compat.v1.get_default_graph()
-    saved = getattr(graph, "_add_control_dependencies", None)
-    if saved is None:  # not a FuncGraph, or a TensorFlow without the flag: nothing to lift
-        yield
-        return
-    graph._add_control_dependencies = False
-    try:
-        yield
-    finally:
-        graph._add_control_dependencies = saved
 
 
 def _inlined(build: _Build) -> _Build:
@@ -280,23 +140,23 @@ def run(
     defer = None if deferred is None else DeferredStats()  # only tested for None while tracing
 
     # ------------------------------------------------ each stage's structures, traced once
-    ins: list[_Layout] = []  # per stage: (inputs, mask, side)
-    outs: list[_Layout] = []  # per stage: (outputs, out_mask, side)
-    kept: list[_Layout] = []  # per stage: the state its forward read
-    added: list[_Layout] = []  # per stage: the losses its layers added
-    moments: list[_Layout] = []  # per stage: its BatchNormalization moments
+    ins: list[loop_state.Layout] = []  # per stage: (inputs, mask, side)
+    outs: list[loop_state.Layout] = []  # per stage: (outputs, out_mask, side)
+    kept: list[loop_state.Layout] = []  # per stage: the state its forward read
+    added: list[loop_state.Layout] = []  # per stage: the losses its layers added
+    moments: list[loop_state.Layout] = []  # per stage: its BatchNormalization moments
     forward_handles: list[handles.Packed] = []  # per stage: its forward's handles, packed
-    ins.append(_Layout((split.chunks[0], masks[0], sides[0]), relax))
+    ins.append(loop_state.Layout((split.chunks[0], masks[0], sides[0]), relax))
     for s in range(S):
         x, mask, side = ins[s].spec_structure()
         outputs, out_mask, losses, before, sums, captured = fns[s].forward_outputs(
             x, mask, side, nonempty_spec(), True, defer
         )
         forward_handles.append(handles.pack(captured))
-        outs.append(_Layout((outputs, out_mask, side), relax))
-        kept.append(_Layout(before))
-        added.append(_Layout(losses))
-        moments.append(_Layout(sums))
+        outs.append(loop_state.Layout((outputs, out_mask, side), relax))
+        kept.append(loop_state.Layout(before))
+        added.append(loop_state.Layout(losses))
+        moments.append(loop_state.Layout(sums))
         if s + 1 < S:
             ins.append(outs[s])
     if any(a.positions for a in added) and loss_weights is None:
@@ -307,7 +167,7 @@ def run(
     with tf.device(cells[0].device):
         arrays = ins[0].arrays(M)
         for m in range(M):
-            arrays = _write(arrays, m, ins[0].compress((split.chunks[m], masks[m], sides[m])))
+            arrays = loop_state.write(arrays, m, ins[0].compress((split.chunks[m], masks[m], sides[m])))
     state["in", 0] = arrays
     for s in range(S):
         with tf.device(cells[s].device):
@@ -326,17 +186,19 @@ def run(
         """Stage ``s``'s forward of the iteration's micro-batch; ``carried``: stage s - 1's outputs."""
         cell = cells[s]
         with tf.device(cell.device), tf.name_scope(f"stage{s}_forward"):
-            m = _count(state, s)
+            m = loop_state.count(state, s)
             if s == 0:
                 carried = ins[0].read(state["in", 0], m)
             else:
-                state["in", s] = _write(state["in", s], m, carried)
+                state["in", s] = loop_state.write(state["in", s], m, carried)
             x, mask, side = ins[s].expand(carried)
             local = None if deferred is None else DeferredStats()
             with handles.replaced(handles.unpack(forward_handles[s], state["handles", s])):
                 rec = remat.forward(
                     cell,
-                    _after(_done(state["out", s][:1]), x),  # after this stage's previous forward
+                    ordering.after(
+                        ordering.done(state["out", s][:1]), x
+                    ),  # after this stage's previous forward
                     mask,
                     True,
                     remat=True,
@@ -347,12 +209,12 @@ def run(
             found = [] if local is None else [t for _, sums in local.sums() for t in sums]
             out = outs[s].compress((rec.outputs, rec.out_mask, side))
             state["out", s] = out
-            state["kept", s] = _write(state["kept", s], m, kept[s].compress(rec.before))
-            state["added", s] = _write(state["added", s], m, added[s].compress(rec.losses))
+            state["kept", s] = loop_state.write(state["kept", s], m, kept[s].compress(rec.before))
+            state["added", s] = loop_state.write(state["added", s], m, added[s].compress(rec.losses))
             # Pooled in the executor's order, micro-batch after micro-batch.
             state["moments", s] = batchnorm.merge(state["moments", s], found)
             if s == S - 1:
-                state["last", s] = _write(state["last", s], m, out)
+                state["last", s] = loop_state.write(state["last", s], m, out)
             return out
 
     def forward_iteration(_: tf.Tensor) -> None:
@@ -361,7 +223,7 @@ def run(
             carried = forward(s, carried)
 
     with tf.name_scope("gpipe_forward"):
-        _loop(state, M, forward_iteration, {("out", s): outs[s].relaxed() for s in range(S)})
+        loop_state.run(state, M, forward_iteration, {("out", s): outs[s].relaxed() for s in range(S)})
 
     # ------------------------------------------- every forward is done: the batch's loss
     outputs, out_masks, cell_losses = [], [], []
@@ -384,17 +246,18 @@ def run(
                 deferred.add_sums(bn, sums)
     with tf.device(cells[-1].device), tf.name_scope("loss"):
         grads = batch_loss(outputs, out_masks)
-        given = _Layout(list(grads[0]), relax)
+        given = loop_state.Layout(list(grads[0]), relax)
         arrays = given.arrays(M)
         for m in range(M):
-            arrays = _write(arrays, m, given.compress(list(grads[m])))
+            arrays = loop_state.write(arrays, m, given.compress(list(grads[m])))
     for key in [k for k in state if k[0] in ("out", "added", "moments", "last", "handles")]:
         del state[key]
     state["given", S - 1] = arrays
 
     # ------------------------------------------------------------------ backward phase
-    in_grads_of: dict[int, _Layout] = {}  # per stage > 0: its input gradients
-    rows: dict[int, list[tuple[int, Any, _Layout]]] = {}  # per stage: (variable index, dense_shape, layout)
+    in_grads_of: dict[int, loop_state.Layout] = {}  # per stage > 0: its input gradients
+    # per stage: (variable index, dense_shape, layout)
+    rows: dict[int, list[tuple[int, Any, loop_state.Layout]]] = {}
     backward_handles: dict[int, handles.Packed] = {}  # per stage: its backward's handles, packed
     output_grads = given.spec_structure()
     for s in reversed(range(S)):
@@ -421,13 +284,13 @@ def run(
         for i, r in enumerate(found):
             if r is not None:
                 shape = tf.constant(cells[s].trainable_variables[i].shape.as_list(), tf.int32)
-                rows[s].append((i, shape, _Layout(r, relax=True)))
+                rows[s].append((i, shape, loop_state.Layout(r, relax=True)))
         if s > 0:
-            in_grads_of[s] = _Layout(in_grads, relax)
+            in_grads_of[s] = loop_state.Layout(in_grads, relax)
             output_grads = in_grads_of[s].spec_structure()
     for s in range(S):
         with tf.device(cells[s].device):
-            state["token", s] = [fns[s].zero_sums(inline=True)]
+            state["token", s] = [fns[s].sums.zero(inline=True)]
             state["micro_batch", s] = [tf.constant(0)]
             state["handles", s] = backward_handles[s].tensors
             for i, _, layout in rows[s]:
@@ -438,7 +301,7 @@ def run(
         gradients (the loss's, for the last stage). Returns its own input gradients."""
         cell = cells[s]
         with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):
-            m = _count(state, s)
+            m = loop_state.count(state, s)
             stash, token = state["in", s], state["token", s][0]
             n_losses = len(added[s].positions)
             weight = loss_weights[m] if n_losses and loss_weights is not None else None
@@ -451,7 +314,7 @@ def run(
             # Dropped after this backward, as the executor drops each record (the read
             # above, of this list's version before the write, still sees it).
             state["in", s] = ins[s].free(stash, m)
-            record = remat.Record(
+            record = replay.Record(
                 inputs=x,
                 mask=mask,
                 outputs=None,
@@ -478,7 +341,7 @@ def run(
             state["token", s] = [new_token]
             for i, _, layout in rows[s]:
                 values = layout.compress((grads[i].values, grads[i].indices))
-                state["rows", s, i] = _write(state["rows", s, i], m, values)
+                state["rows", s, i] = loop_state.write(state["rows", s, i], m, values)
             return in_grads_of[s].compress(in_grads) if s > 0 else []
 
     def backward_iteration(_: tf.Tensor) -> None:
@@ -487,7 +350,7 @@ def run(
             upper = backward(s, upper)
 
     with tf.name_scope("gpipe_backward"):
-        _loop(state, M, backward_iteration, {})
+        loop_state.run(state, M, backward_iteration, {})
 
     totals: dict[int, Any] = {}
     for s in range(S):
@@ -498,5 +361,5 @@ def run(
                 values, indices = state["rows", s, i]
                 parts = [tf.IndexedSlices(values.read(m), indices.read(m), dense_shape) for m in range(M)]
                 totals[id(variables[i])] = sparse.combine(parts, id(variables[i]) in free)
-        totals.update(fns[s].read_sums(state["token", s][0], inline=True))
+        totals.update(fns[s].sums.read(state["token", s][0], inline=True))
     return outputs, out_masks, totals, cell_losses

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tf_gpipe import keras_compat
 
-__all__ = ["Split", "check_batched", "merge", "split"]
+__all__: list[str] = []
 
 
 @dataclass

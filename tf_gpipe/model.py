@@ -9,11 +9,13 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_gpipe import keras_compat, microbatch, saving, schedules, structure, trainer, update
+from tf_gpipe import graph, keras_compat, microbatch, saving, schedules, stage, structure, trainer, update
 from tf_gpipe.backend import check_backend
+from tf_gpipe.balance import balance_by_cost
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
-from tf_gpipe.partition import balance_by_cost, check_tied_layers, split_by_balance, unpack_layers
+from tf_gpipe.jit import choose_jit
+from tf_gpipe.partition import check_tied_layers, split_by_balance, unpack_layers
 from tf_gpipe.pipeline import REMAT_MODES, Pipeline
 
 __all__ = ["PipelineModel"]
@@ -272,8 +274,6 @@ class PipelineModel(keras.Model):
         pm = tf_gpipe.PipelineModel.from_model(keras.Model(inp, out), num_stages=2)
         ```
         """
-        from tf_gpipe import graph
-
         return graph.from_model(cls, model, num_stages, balance, virtual_stages, **kwargs)
 
     # ------------------------------------------------------------------ properties
@@ -378,8 +378,6 @@ class PipelineModel(keras.Model):
             raise ValueError(f"tf_gpipe: jit_compile must be 'auto', True or False, got {jit_compile!r}.")
         super().compile(*args, jit_compile=False, **kwargs)
         self._jit_compile_arg = jit_compile
-        from tf_gpipe.jit import choose_jit
-
         self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
         update.place_optimizer(self.optimizer, self.devices[0])
         self._build_training_state()
@@ -396,10 +394,8 @@ class PipelineModel(keras.Model):
 
     def _build_gradient_sums(self) -> None:
         if self.built and self.num_micro_batches > 1:
-            from tf_gpipe import stage
-
             for cell in self._pipeline.cells:
-                stage.functions(cell).sums(cell.trainable_variables)
+                stage.functions(cell).sums.variables(cell.trainable_variables)
 
     def get_compile_config(self) -> dict:
         config = super().get_compile_config()

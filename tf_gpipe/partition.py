@@ -10,7 +10,7 @@ import keras
 
 from tf_gpipe import keras_compat
 
-__all__ = ["balance_by_cost", "check_tied_layers", "even_balance", "split_by_balance", "unpack_layers"]
+__all__: list[str] = []
 
 T = TypeVar("T")
 
@@ -154,17 +154,3 @@ def unpack_layers(layers: Any):
                 hint = " It is a tf.keras (Keras 2) layer; build it with `import keras` (Keras 3)."
             raise TypeError(f"tf_gpipe: layers[{i}] is {type(layer).__name__}, not a Keras layer.{hint}")
     return layers, spec
-
-
-def balance_by_cost(method: str, layers: list, spec: Any, num_stages: int | None, v: int) -> list[int]:
-    from tf_gpipe import balance as balance_lib
-
-    if num_stages is None:
-        raise ValueError(f"tf_gpipe: balance={method!r} needs num_stages (how many stages to balance).")
-    if spec is None:
-        raise ValueError(
-            f"tf_gpipe: balance={method!r} measures each layer on a sample input, so the input "
-            "shape must be known: start the layers with keras.Input(shape=...), or compute it with "
-            f"tf_gpipe.balance.balance_by({method!r}, layers, num_stages, sample) and pass the list."
-        )
-    return balance_lib.balance_by(method, layers, num_stages * v, spec)

@@ -13,7 +13,7 @@ from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 from tf_gpipe.schedules import clock_cycles
 
-__all__ = ["REMAT_MODES", "Pipeline"]
+__all__: list[str] = []
 
 REMAT_MODES = ("always", "except_last", "never")
 

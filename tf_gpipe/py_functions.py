@@ -22,7 +22,9 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["replayed"]
+from tf_gpipe import tf_compat
+
+__all__: list[str] = []
 
 _GRADIENT = "TfGpipeReplayedPyFunction"
 
@@ -37,34 +39,13 @@ def replayed() -> Iterator[None]:
         yield
 
 
-def _python_function(op: tf.Operation) -> Any:
-    """The Python callable behind an ``EagerPyFunc`` op.
-
-    Uses ``tensorflow.python.ops.script_ops._py_funcs``, where ``tf.py_function``
-    registers it under the op's token (TensorFlow's own gradient reads it there too).
-    """
-    from tensorflow.python.ops import script_ops
-
-    token = op.get_attr("token").decode()
-    registry = getattr(script_ops, "_py_funcs", None)
-    func = None if registry is None else registry.get(token)
-    func = getattr(func, "_func", None)
-    if func is None:
-        raise RuntimeError(
-            f"tf_gpipe: cannot find the Python function of tf.py_function op {op.name!r} "
-            f"(TensorFlow {tf.__version__} moved its registry) to differentiate it in a stage that "
-            "keeps its activations; use remat='always', which replays the stage instead."
-        )
-    return func
-
-
 def _trainable(t: tf.Tensor) -> bool:
     return t.dtype.is_floating or t.dtype.is_complex
 
 
 @tf.RegisterGradient(_GRADIENT)
 def _replayed_gradient(op: tf.Operation, *dys: Any) -> list[Any]:
-    func = _python_function(op)
+    func = tf_compat.py_function_callable(op)
     inputs, outputs = list(op.inputs), list(op.outputs)
     n = len(inputs)
     dys_full = [tf.zeros_like(o) if dy is None else dy for o, dy in zip(outputs, dys)]

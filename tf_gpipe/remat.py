@@ -1,88 +1,28 @@
-"""Run a cell once with its side effects recorded, and replay it exactly for the backward pass.
+"""One (cell, micro-batch) forward and backward: re-materialized, or on a tape.
 
 Keras layers change state while they run: a Dropout draws its mask from a
 SeedGenerator whose state variable advances, BatchNormalization moves its
 statistics. ``tf.recompute_grad`` simply re-runs the layer, which draws new
 masks and applies every update a second time, so its gradients belong to a
-different forward pass. Here the forward pass runs under a recording
-``StatelessScope``: every variable write is captured, the value each written
-variable had before is kept (a few small tensors), and the writes are then
-applied once. The replay runs under a ``StatelessScope`` that maps each of those
-variables back to its old value and swallows the writes, so it reads exactly
-what the forward pass read, draws the same random numbers and changes nothing.
+different forward pass. Here a re-materialized cell's forward keeps only its
+input and what its writes overwrote (``tf_gpipe.replay.Record``), and its backward
+replays it exactly (``tf_gpipe.replay.run``): the same random numbers, the same
+statistics, no second update. A cell that keeps its activations runs its forward
+under a tape instead. Both run as their stage's functions (``tf_gpipe.stage``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, ordering, stage, tf_compat
 from tf_gpipe.cell import Cell
+from tf_gpipe.replay import Record, float_positions, tape_gradients
 
-__all__ = ["Record", "backward", "forward", "is_recomputing", "rematerialized"]
-
-_local = threading.local()
-
-
-def is_recomputing() -> bool:
-    """True while tf_gpipe traces the backward-pass replay of a cell.
-
-    Custom layers with side effects that tf_gpipe cannot see (Python counters,
-    ``tf.random`` stateful ops, prints) can skip them during the replay. Keras
-    variable updates and ``keras.random`` draws need nothing: they are replayed
-    exactly.
-    """
-    return getattr(_local, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def _recomputing() -> Iterator[None]:
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-
-
-def _read(variable) -> tf.Tensor:
-    """The variable's value as stored, honouring an enclosing StatelessScope.
-
-    Not ``variable.value``, which is cast inside an ``AutocastScope`` (mixed precision):
-    the replay must restore the stored value.
-    """
-    scope = keras_compat.current_stateless_scope()
-    if scope is not None:
-        value = scope.get_current_value(variable)
-        if value is not None:
-            return value
-    return tf.identity(keras_compat.backing_variable(variable))
-
-
-@dataclass
-class Record:
-    """What the backward pass of one (cell, micro-batch) needs from its forward pass."""
-
-    inputs: Any
-    mask: Any
-    outputs: Any
-    out_mask: Any
-    losses: list[tf.Tensor]
-    replay_state: list[tuple[Any, tf.Tensor]] = field(default_factory=list)
-    tape: tf.GradientTape | None = None  # set when the cell is not re-materialized
-    nonempty: tf.Tensor | None = None
-    side: dict | None = None  # side inputs of this micro-batch (not differentiated)
-    before: list[tf.Tensor] = field(default_factory=list)  # written variables' values, for the replay
-    training: bool | None = None
-    deferred: bool = False
-    # Taped, for a split schedule, in a graph: each half differentiates with ``tf.gradients``.
-    split: bool = False
+__all__: list[str] = []
 
 
 def forward(
@@ -107,8 +47,6 @@ def forward(
     ``deferred`` (a ``batchnorm.DeferredStats``) BatchNormalization moments are pooled
     there instead of moving the statistics now.
     """
-    from tf_gpipe import stage
-
     fns = stage.functions(cell)
     symbolic = persistent and not tf.executing_eagerly()
     with tf.device(cell.device):
@@ -145,9 +83,6 @@ def forward(
     )
 
 
-_CALLS = ("StatefulPartitionedCall", "PartitionedCall")
-
-
 def _first_order_twice(*structures: Any) -> None:
     """Let ``tf.gradients`` differentiate the stage call that made ``structures`` twice, first order.
 
@@ -157,13 +92,15 @@ def _first_order_twice(*structures: Any) -> None:
     and each missing one becomes a zero fed to a backward built for them all: the
     higher-order cost again. Here the call's gradient function gets only the gradients of the
     outputs it had when made, as a tape's record of the call passes (the same cached backward
-    for B and W). Uses ``Operation._gradient_function``, which the call's op gets from
-    ``ConcreteFunction._call_flat`` in a graph.
+    for B and W). The call's op carries its own gradient function in a graph
+    (``tf_compat.gradient_function``).
     """
     for t in tf.nest.flatten(structures):
         op = getattr(t, "op", None)
-        grad = getattr(op, "_gradient_function", None)
-        if op is None or op.type not in _CALLS or grad is None or getattr(grad, "_tf_gpipe", False):
+        if op is None or op.type not in ordering.CALL_OPS:
+            continue
+        grad = tf_compat.gradient_function(op)
+        if grad is None or getattr(grad, "_tf_gpipe", False):
             continue
         count = len(op.outputs)
 
@@ -171,7 +108,7 @@ def _first_order_twice(*structures: Any) -> None:
             return _grad(call, *doutputs[:_count])
 
         first_order._tf_gpipe = True  # type: ignore[attr-defined]
-        op._gradient_function = first_order
+        tf_compat.set_gradient_function(op, first_order)
 
 
 def _float_tensors(structure: Any) -> list[tf.Tensor]:
@@ -180,22 +117,6 @@ def _float_tensors(structure: Any) -> list[tf.Tensor]:
         for t in tf.nest.flatten(structure)
         if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
     ]
-
-
-def _replay(cell: Cell, record: Record, training: bool | None) -> tuple[Any, list[tf.Tensor]]:
-    with _recomputing(), keras_compat.RecordingScope(record.replay_state) as scope:
-        outputs, _ = cell.call(record.inputs, record.mask, training, record.side)
-    return outputs, list(scope.losses)
-
-
-def _mask_grad(g, nonempty):
-    if g is None or nonempty is None:
-        return g
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.where(nonempty, g.values, tf.zeros_like(g.values)), g.indices, g.dense_shape
-        )
-    return tf.where(nonempty, g, tf.zeros_like(g))
 
 
 def backward(
@@ -220,7 +141,7 @@ def backward(
     (replay and gradients in one function, traced once). ``tracer``, a
     ``(Recorder, device, tag)`` triple, marks the end of the recomputation on a
     timeline. With ``to_sums`` (``fit``) the gradients of ``cell.trainable_variables``
-    are added to the stage's gradient sums (``StageFunctions.sums``) and a token, ready
+    are added to the stage's gradient sums (``tf_gpipe.gradient_sums``) and a token, ready
     once they are, is returned in place of the variable grads; ``after`` is then the
     token of the stage's previous addition (or of the sums' zeroing).
 
@@ -230,8 +151,6 @@ def backward(
     differentiates the forward: with ``tf.gradients`` in a graph (``Record.split``),
     on its persistent tape when eager.
     """
-    from tf_gpipe import stage
-
     if not need_weight_grads:
         variables, to_sums = [], False
 
@@ -276,61 +195,8 @@ def backward(
             None if to_sums else record.nonempty,  # to_sums: masked inside add_to_sums
         )
     if to_sums:
-        return in_grads, stage.functions(cell).add_to_sums(var_grads, record.nonempty, after)
+        return in_grads, stage.functions(cell).sums.add(var_grads, record.nonempty, after)
     return in_grads, var_grads
-
-
-def float_positions(flat: list[Any]) -> list[int]:
-    """Positions of the float tensors in ``flat``: the inputs that get a gradient."""
-    return [
-        i
-        for i, t in enumerate(flat)
-        if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_complex)
-    ]
-
-
-def tape_gradients(
-    tape: tf.GradientTape | None,
-    targets: Sequence[Any],
-    target_grads: Sequence[tf.Tensor | None],
-    flat_in: list[Any],
-    float_pos: list[int],
-    sources_in: list[tf.Tensor],
-    variables: Sequence[Any],
-    need_input_grads: bool,
-    nonempty: Any,
-    gated: bool = False,
-) -> tuple[list[tf.Tensor | None], list[tf.Tensor | None]]:
-    """``tape``'s gradients of ``targets`` (weighted by ``target_grads``, None = unused)
-    w.r.t. ``sources_in`` and ``variables`` (``tf.gradients``' when ``tape`` is None, in a
-    graph): input grads laid out like ``flat_in`` (None for non-float inputs), variable
-    grads zeroed for an empty micro-batch. ``gated`` (``tf.gradients`` only): each op
-    passes on its gradients together (``gate_gradients``), so the chain of input
-    gradients never runs ahead of the weight gradients, which free the activations."""
-    pairs = [(t, g) for t, g in zip(targets, target_grads) if g is not None and t is not None]
-    sources = (list(sources_in) if need_input_grads else []) + list(variables)
-    if pairs and sources and tape is None:  # symbolic: the ops' own first-order gradients
-        result = tf.gradients(
-            [t for t, _ in pairs],
-            [keras_compat.backing_variable(v) if isinstance(v, keras.Variable) else v for v in sources],
-            grad_ys=[g for _, g in pairs],
-            unconnected_gradients=tf.UnconnectedGradients.NONE,
-            gate_gradients=gated,
-        )
-    elif pairs and sources and tape is not None:
-        result = tape.gradient(
-            [t for t, _ in pairs],
-            sources,
-            output_gradients=[g for _, g in pairs],
-            unconnected_gradients=tf.UnconnectedGradients.NONE,
-        )
-    else:
-        result = [None] * len(sources)
-    n_in = len(sources_in) if need_input_grads else 0
-    input_grads: list[tf.Tensor | None] = [None] * len(flat_in)
-    for i, g in zip(float_pos, result[:n_in]):
-        input_grads[i] = g
-    return input_grads, [_mask_grad(g, nonempty) for g in result[n_in:]]
 
 
 def rematerialized(

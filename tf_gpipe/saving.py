@@ -13,15 +13,7 @@ from keras import tree
 from tf_gpipe import structure
 from tf_gpipe.devices import resolve_devices
 
-__all__ = [
-    "build_from_config",
-    "from_config",
-    "get_build_config",
-    "get_config",
-    "not_built",
-    "to_functional",
-    "to_sequential",
-]
+__all__: list[str] = []
 
 
 # PipelineModel's argument (and attribute) for GPipe's loops over micro-batches. A config

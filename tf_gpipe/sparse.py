@@ -28,7 +28,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat
 from tf_gpipe.cell import Cell
 
-__all__ = ["batch_free", "combine", "relaxed_specs"]
+__all__: list[str] = []
 
 
 def _relaxed(t: Any) -> Any:
@@ -54,7 +54,7 @@ def batch_free(cell: Cell, inputs: Any, mask: Any, side: Any) -> frozenset[int]:
     traced once more (never run), the first time a caller asks; the answer is kept on
     the cell.
     """
-    known = getattr(cell, "_batch_free_rows", None)
+    known = cell.batch_free_rows
     if known is not None:
         return known
     variables = cell.trainable_variables
@@ -85,14 +85,14 @@ def batch_free(cell: Cell, inputs: Any, mask: Any, side: Any) -> frozenset[int]:
             "from the unsplit model. Let the stage's layers accept any batch size to fix it.",
             stacklevel=2,
         )
-        cell._batch_free_rows = frozenset()  # type: ignore[attr-defined]
-        return cell._batch_free_rows  # type: ignore[attr-defined]
+        cell.batch_free_rows = frozenset()
+        return cell.batch_free_rows
     found = frozenset(
         id(v)
         for v, values in zip(variables, traced.structured_outputs)
         if values.shape.rank and values.shape[0] is not None
     )
-    cell._batch_free_rows = found  # type: ignore[attr-defined]
+    cell.batch_free_rows = found
     return found
 
 

@@ -24,11 +24,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_gpipe import gated, handles, keras_compat, remat
+from tf_gpipe import gated, handles, keras_compat, replay
 from tf_gpipe.batchnorm import DeferredStats
-from tf_gpipe.cell import Cell, _attach_mask
+from tf_gpipe.cell import Cell, attach_mask
+from tf_gpipe.gradient_sums import GradientSums
 
-__all__ = ["StageFunctions", "functions", "inlined"]
+__all__: list[str] = []
 
 _local = threading.local()  # replicas trace in threads of their own
 
@@ -39,8 +40,8 @@ def inlined() -> Iterator[None]:
 
     For a graph that calls each stage function once (the loops over micro-batches,
     ``tf_gpipe.loop``), inlining adds no copies, and each action then runs without a
-    function call of its own (host work per action, benchmarks/compiled_stages/README.md,
-    "tenth session"). A graph that calls them once per micro-batch keeps the calls
+    function call of its own (less host work per action, benchmarks/compiled_stages/README.md).
+    A graph that calls them once per micro-batch keeps the calls
     (``_noinline``, see ``StageFunctions``). Inlined, a body's ops no longer wait for all
     of the call's inputs, nor its outputs for its writes: the forward and backward bodies
     spell out the orders they need when traced in this scope."""
@@ -58,12 +59,12 @@ def _inline() -> bool:
 
 def functions(cell: Cell) -> StageFunctions:
     """The stage functions of ``cell``, made on first use and remade when its XLA choice changes."""
-    fns = getattr(cell, "_stage_functions", None)
+    fns = cell.stage_functions
     jit = bool(getattr(cell, "jit_compile", False))
     eager = bool(getattr(cell, "run_eagerly", False))
     if fns is None or (fns.jit_compile, fns.eager) != (jit, eager):
         fns = StageFunctions(cell, jit, eager)
-        cell._stage_functions = fns  # type: ignore[attr-defined]
+        cell.stage_functions = fns
     return fns
 
 
@@ -87,14 +88,9 @@ class StageFunctions:
         # (need_input_grads, need_weight_grads) of each backward traced: a split schedule's
         # B and W are traced apart, (True, False) and (False, True), never as one (True, True).
         self.backward_halves: set = set()
-        # Per trainable variable (by id): where fit's backward passes sum its gradient.
-        # Kept on the cell: they outlive a remake of its functions (a new XLA choice).
-        if not hasattr(cell, "_gradient_sums"):
-            cell._gradient_sums = {}  # type: ignore[attr-defined]
-        self._sums: dict[int, tf.Variable] = cell._gradient_sums  # type: ignore[attr-defined]
-        # Found while tracing: the variables that get a gradient, and those that get rows.
-        self.graded: set = set()
-        self.sparse: set = set()
+        # Where fit's backward passes sum the stage's gradients, and the functions that zero,
+        # add to and read them.
+        self.sums = GradientSums(cell, self.traces, eager)
         # Per (training, deferred): the variables the forward writes, found while tracing.
         self._written: dict[tuple[Any, bool], list[Any]] = {}
         self._deferred_layers: dict[tuple[Any, bool], list[Any]] = {}
@@ -130,122 +126,10 @@ class StageFunctions:
         self._backward_inlined = tf.function(self._backward_body, jit_compile=jit_compile, **inline)
         # Timeline markers are host callbacks, which XLA cannot compile.
         self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
-        # Only a taped (not re-materialized) stage adds its gradients with a call of its own.
-        # Inlined like that stage's forward, so each gradient is added, and freed, as soon
-        # as the inlined backward makes it: as one call it would wait for all of them.
-        self._add = tf.function(self._add_body, jit_compile=False, reduce_retracing=True, autograph=False)
-        self._zero = tf.function(self._zero_body, jit_compile=False, **options)
-        self._read = tf.function(self._read_body, jit_compile=False, **options)
         if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
             self._forward, self._forward_taped = self._forward_body, self._forward_taped_body
             self._backward = self._backward_marked = self._backward_body
             self._forward_inlined, self._backward_inlined = self._forward, self._backward
-            self._add, self._zero, self._read = self._add_body, self._zero_body, self._read_body
-
-    # ------------------------------------------------------------ gradient sums
-    # fit sums each weight's gradient over the micro-batches in a variable on the stage's
-    # device, added to inside the backward function as each gradient is made (what PyTorch
-    # does with ``.grad``). Summing the returned gradients in the step instead would add
-    # K x M x weights ops to its graph (the first step growing with M), and would hold
-    # a whole stage's gradients at once beside the running sum.
-    #
-    # The sums' token (ready once an addition is done) flows as data from the zeroing
-    # through every addition of the stage to the final read: each function call's every
-    # output is read as data. Grappler's function optimizer specializes (rewrites a copy
-    # of) a function for each call with an output nobody reads as data (a token read only
-    # through a control edge, or an IndexedSlices' dense_shape); with every output read it
-    # specializes none. (The first step did not get measurably faster: what grows with M is
-    # elsewhere, benchmarks/compiled_stages/README.md.)
-    def sums(self, variables: list[Any]) -> list[tf.Variable]:
-        """The gradient-sum variables of ``variables`` (made on first use, never saved)."""
-        missing = [v for v in variables if id(v) not in self._sums]
-        if missing:
-            with tf.init_scope(), tf.device(self.cell.device):
-                for v in missing:
-                    self._sums[id(v)] = tf.Variable(
-                        tf.zeros(v.shape, tf.as_dtype(v.dtype)),
-                        trainable=False,
-                        name=f"grad_sum_{v.name}".replace("/", "_").replace(":", "_"),
-                    )
-        return [self._sums[id(v)] for v in variables]
-
-    def zero_sums(self, inline: bool = False) -> tf.Tensor:
-        """Set the gradient sums to zero; returns a token that is ready once they are.
-
-        ``inline``: the ops go into the caller's graph, not into a function call (the
-        tick loops, whose tokens pass through loop variables, not straight from one call
-        to another: see the comment above)."""
-        self.sums(self.cell.trainable_variables)
-        with tf.device(self.cell.device):
-            return self._zero_body() if inline else self._zero()
-
-    def read_sums(self, token: tf.Tensor, inline: bool = False) -> dict[int, tf.Tensor]:
-        """``{id(variable): summed dense gradient}`` for the variables that got one, read
-        once ``token`` (the last addition's) is ready; ``inline`` as ``zero_sums``."""
-        variables = self.cell.trainable_variables
-        dense = [
-            (v, s)
-            for v, s in zip(variables, self.sums(variables))
-            if id(v) in self.graded and id(v) not in self.sparse
-        ]
-        # Called even with no dense sums (a stage whose weights all get rows): it reads the token.
-        with tf.device(self.cell.device):
-            values = (self._read_body if inline else self._read)(token, [s for _, s in dense])
-        return {id(v): t for (v, _), t in zip(dense, values)}
-
-    def add_to_sums(
-        self, grads: list[tf.Tensor | None], nonempty: Any = None, after: Any = None
-    ) -> tuple[tf.Tensor, list[Any]]:
-        """Add gradients (following ``cell.trainable_variables``) to the sums, zeroed first
-        for an empty micro-batch, once ``after`` (the previous addition's token) is ready;
-        returns ``(token, sparse gradients)`` as ``_add_grads``."""
-        self.sums(self.cell.trainable_variables)
-        with tf.device(self.cell.device):
-            token, rows = self._add(list(grads), nonempty, after)
-        return token, self._rows_in(rows)
-
-    def _zero_body(self):
-        self.traces["sum"] += 1
-        return _ready([s.assign(tf.zeros_like(s)) for s in self.sums(self.cell.trainable_variables)])
-
-    def _read_body(self, token, sums):
-        with tf.control_dependencies([token]):
-            return [s.read_value() for s in sums]
-
-    def _add_body(self, grads, nonempty, after):
-        self.traces["sum"] += 1
-        with tf.control_dependencies([] if after is None else [after]):
-            return self._add_grads([remat._mask_grad(g, nonempty) for g in grads])
-
-    def _add_grads(self, grads: list[Any]) -> tuple[tf.Tensor, list[Any]]:
-        """Add the dense gradients to their sums. Returns ``(token, rows)``: the token is
-        ready once every sum is added to; ``rows`` holds the IndexedSlices gradients (an
-        Embedding's rows) as ``(values, indices)`` pairs (``_rows_in`` makes them
-        IndexedSlices again), which are returned, not summed: Keras' optimizers update a
-        weight differently given its gradient as rows than as a dense tensor, and the
-        unsplit model gives them rows."""
-        ops: list[Any] = []
-        rows: list[tuple[Any, Any] | None] = []
-        variables = self.cell.trainable_variables
-        for v, total, g in zip(variables, self.sums(variables), grads):
-            if g is not None:
-                self.graded.add(id(v))
-            if isinstance(g, tf.IndexedSlices):
-                self.sparse.add(id(v))
-                # Without dense_shape, which nobody reads (see the gradient sums' comment).
-                rows.append((g.values, g.indices))
-                continue
-            rows.append(None)
-            if g is not None:
-                ops.append(total.assign_add(g))
-        return _ready(ops), rows
-
-    def _rows_in(self, rows: list[Any]) -> list[Any]:
-        """``_add_grads``' rows as IndexedSlices of the shape of their variables."""
-        return [
-            None if r is None else tf.IndexedSlices(r[0], r[1], tf.constant(v.shape.as_list(), tf.int32))
-            for v, r in zip(self.cell.trainable_variables, rows)
-        ]
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -281,7 +165,7 @@ class StageFunctions:
         if out_mask is not None:
             # A Keras mask does not leave a function on its tensor; a loss or a layer
             # reading the outputs expects it there, as after keras.Sequential's last layer.
-            _attach_mask(outputs, out_mask)
+            attach_mask(outputs, out_mask)
         return outputs, out_mask, list(losses), list(before)
 
     def forward_outputs(
@@ -345,7 +229,7 @@ class StageFunctions:
                     )
             skipped = local.skipped_variables(bns) if bns else set()
             written = [v for k, v in scope.written.items() if k not in skipped]
-            before = [remat._read(v) for v in written]
+            before = [replay.read_stored(v) for v in written]
             writes = []
             for v, old in zip(written, before):
                 new = scope.get_current_value(v)
@@ -413,14 +297,14 @@ class StageFunctions:
             recorder, device, tag = tracer
             marker, label, fn = (recorder, device), tf.constant("replayed " + tag), self._backward_marked
         if to_sums:  # made before the trace, which captures them (passing them costs more)
-            self.sums(self.cell.trainable_variables)
+            self.sums.variables(self.cell.trainable_variables)
         args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
         tail = (need_input_grads, marker, label, to_sums, need_weight_grads, after if to_sums else None)
         with tf.device(self.cell.device):
             in_grads, var_grads = handles.call(fn, *_backward_args(*args, *tail))
         if to_sums:
             token, rows = var_grads
-            return list(in_grads), (token, self._rows_in(rows))
+            return list(in_grads), (token, self.sums.rows_in(rows))
         return list(in_grads), list(var_grads)
 
     def backward_outputs(
@@ -442,7 +326,7 @@ class StageFunctions:
         ``(input grads, (token, rows))``, rows as ``(values, indices)`` pairs or None; and
         the resource handles the trace captures."""
         defer = self._defers(deferred, training)
-        self.sums(self.cell.trainable_variables)
+        self.sums.variables(self.cell.trainable_variables)
         args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
         # Exactly the arguments ``backward`` passes with ``to_sums``: the call then reuses the trace.
         concrete = self._plain_backward().get_concrete_function(
@@ -474,7 +358,7 @@ class StageFunctions:
         cell = self.cell
         written = self._written[(training, defer)]
         flat_in = tf.nest.flatten(inputs)
-        float_pos = remat.float_positions(flat_in)
+        float_pos = replay.float_positions(flat_in)
         arrived = [g for g in [*output_grads, *loss_grads, after] if g is not None]
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_replay"):
             # The recomputation waits for the incoming gradient: run earlier, it would
@@ -486,7 +370,7 @@ class StageFunctions:
             with tf.control_dependencies(arrived):
                 swapped = [tf.identity(t) if isinstance(t, tf.Tensor) else t for t in flat_in]
             replay_in = [swapped[i] for i in float_pos]
-            record = remat.Record(
+            record = replay.Record(
                 inputs=tf.nest.pack_sequence_as(inputs, swapped),
                 mask=mask,
                 outputs=None,
@@ -504,7 +388,7 @@ class StageFunctions:
             with tape or contextlib.nullcontext():
                 if tape is not None:
                     tape.watch(replay_in)
-                outputs, losses = remat._replay(cell, record, training)
+                outputs, losses = replay.run(cell, record, training)
             if marker is not None:
                 recorder, device = marker
                 done = [t for t in tf.nest.flatten(outputs) + list(losses) if t is not None]
@@ -512,7 +396,7 @@ class StageFunctions:
                 with tf.control_dependencies([mark]):
                     output_grads = [None if g is None else tf.identity(g) for g in output_grads]
                     loss_grads = [None if g is None else tf.identity(g) for g in loss_grads]
-            in_grads, var_grads = remat.tape_gradients(
+            in_grads, var_grads = replay.tape_gradients(
                 tape,
                 list(tf.nest.flatten(outputs)) + list(losses),
                 list(output_grads) + list(loss_grads),
@@ -529,7 +413,7 @@ class StageFunctions:
             # After the previous addition, in micro-batch order, whatever each gradient waits
             # for (a bias's needs only the output gradient): inlined, nothing else orders them.
             with tf.control_dependencies([] if after is None else [after]):
-                return in_grads, self._add_grads(var_grads)
+                return in_grads, self.sums.add_in_body(var_grads)
 
 
 def _runs_loops(cell: Cell) -> bool:
@@ -551,9 +435,3 @@ def _backward_args(
         inputs, mask, side, list(before), list(output_grads), list(loss_grads), nonempty, training,
         defer, need_input_grads, marker, label, bool(to_sums), bool(need_weight_grads), after,
     )  # fmt: skip
-
-
-def _ready(ops: list[Any]) -> tf.Tensor:
-    """A token that is ready once every op of ``ops`` has run."""
-    with tf.control_dependencies(ops):
-        return tf.constant(True)

@@ -7,7 +7,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["batch_size", "is_float", "spec_from", "to_tensors", "zeros_like_spec"]
+__all__: list[str] = []
 
 
 def is_float(t: Any) -> bool:

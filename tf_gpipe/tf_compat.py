@@ -7,6 +7,9 @@ test in ``tests/test_tf_compat.py`` fails.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -24,6 +27,17 @@ def _gone(what: str, why: str) -> TFCompatError:
         f"{why}. tf_gpipe is tested with TensorFlow 2.21 (requirements.txt): install "
         "tensorflow==2.21.0, or adapt this hook in tf_gpipe/tf_compat.py (tests/test_tf_compat.py)."
     )
+
+
+def _private(module: str, name: str, why: str) -> Any:
+    """``module.name`` from TensorFlow's private ``tensorflow.python`` tree, or ``_gone``."""
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        found = None
+    if found is None:
+        raise _gone(f"{module}.{name}", why)
+    return found
 
 
 def captured_source(t: Any) -> Any:
@@ -50,6 +64,108 @@ def captured_source(t: Any) -> Any:
 def is_symbolic(t: Any) -> bool:
     """Whether ``t`` is a graph tensor (not an eager one). Uses ``tf.is_symbolic_tensor``."""
     return bool(tf.is_symbolic_tensor(t))
+
+
+def call_with_captures(concrete: Any, args: Sequence[Any], captured_inputs: Sequence[Any]) -> Any:
+    """``concrete(*args)``, with ``captured_inputs`` fed in place of what it captured.
+
+    A stage function called inside the loops takes its variable handles from the loop's
+    packed tensors, not from the handles it captured when traced (``tf_gpipe.handles``).
+    Uses ``ConcreteFunction._call_flat``, what ``tf.function`` itself calls with a
+    function's captured inputs.
+    """
+    call_flat = getattr(concrete, "_call_flat", None)
+    if call_flat is None:
+        raise _gone("ConcreteFunction._call_flat", "pass a stage its variable handles inside the loops")
+    flat = concrete.function_type.unpack_inputs(concrete.function_type.bind(*args))
+    return call_flat(flat, captured_inputs=list(captured_inputs))
+
+
+@contextlib.contextmanager
+def no_automatic_control_dependencies() -> Iterator[None]:
+    """Loops built in this scope have no automatic control dependencies in their body.
+
+    In a ``tf.function`` TensorFlow makes every output of a loop body wait for every
+    stateful op of the body; the pipeline loops chain each stage through its own data
+    instead, so that no iteration is a barrier of all stages (``tf_gpipe.loop``).
+    ``while_v2`` reads the flag from the graph the loop is built in: the private
+    ``Graph._add_control_dependencies``, lowered here and restored on exit.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    saved = getattr(graph, "_add_control_dependencies", None)
+    if saved is None:
+        raise _gone(
+            "Graph._add_control_dependencies", "build the pipeline loops without a barrier per iteration"
+        )
+    graph._add_control_dependencies = False
+    try:
+        yield
+    finally:
+        graph._add_control_dependencies = saved
+
+
+def gradient_function(op: tf.Operation) -> Callable[..., Any] | None:
+    """The gradient function a graph op carries itself, or None if it has none.
+
+    A function-call op made by ``ConcreteFunction._call_flat`` in a graph carries its
+    own gradient, which ``tf_gpipe.remat`` wraps to differentiate the call twice at first
+    order. Uses ``Operation._gradient_function``.
+    """
+    if not hasattr(op, "_gradient_function"):
+        raise _gone("Operation._gradient_function", "differentiate a stage call twice (B, then W)")
+    return op._gradient_function
+
+
+def set_gradient_function(op: tf.Operation, function: Callable[..., Any]) -> None:
+    """Give the graph op ``op`` the gradient ``function`` (see ``gradient_function``)."""
+    if not hasattr(op, "_gradient_function"):
+        raise _gone("Operation._gradient_function", "differentiate a stage call twice (B, then W)")
+    op._gradient_function = function
+
+
+def py_function_callable(op: tf.Operation) -> Callable[..., Any]:
+    """The Python callable behind an ``EagerPyFunc`` op (a ``tf.py_function``).
+
+    ``tf_gpipe.py_functions`` runs it again under a tape to differentiate a
+    ``tf.py_function`` called once per micro-batch. Uses
+    ``tensorflow.python.ops.script_ops._py_funcs``, where ``tf.py_function`` registers it
+    under the op's token (TensorFlow's own gradient reads it there too), and the
+    registered wrapper's ``_func``.
+    """
+    why = (
+        f"differentiate tf.py_function op {op.name!r} in a stage that keeps its activations "
+        "(remat='always' replays the stage instead and needs no such hook)"
+    )
+    registry = _private("tensorflow.python.ops.script_ops", "_py_funcs", why)
+    func = getattr(registry.get(op.get_attr("token").decode()), "_func", None)
+    if func is None:
+        raise _gone("the Python function registered for a tf.py_function op (script_ops._py_funcs)", why)
+    return func
+
+
+def op_determinism_enabled() -> bool:
+    """Whether ``tf.config.experimental.enable_op_determinism`` is on.
+
+    With it on, Keras compiles no model with XLA, and neither does ``tf_gpipe.jit`` a
+    stage. TensorFlow has a public setter but no public getter: uses
+    ``tensorflow.python.framework.config.is_op_determinism_enabled``.
+    """
+    enabled = _private(
+        "tensorflow.python.framework.config", "is_op_determinism_enabled", "decide which stages XLA compiles"
+    )
+    return bool(enabled())
+
+
+def server_def() -> Any:
+    """The ``ServerDef`` this process joined its cluster with, or None before it joined.
+
+    ``tf_gpipe.cluster`` names this process's own devices by its job and task. Uses
+    ``tensorflow.python.eager.context.get_server_def``.
+    """
+    get = _private(
+        "tensorflow.python.eager.context", "get_server_def", "name this process's devices in a cluster"
+    )
+    return get()
 
 
 def update_input(op: Any, index: int, tensor: Any) -> None:

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat, microbatch, schedules, structure, update
 from tf_gpipe.executor import accumulate, run_schedule
 
-__all__ = ["Gradients", "gradients", "shares", "train_step"]
+__all__: list[str] = []
 
 
 def shares(sizes: list[Any], batch_size: tf.Tensor) -> list[tf.Tensor]:

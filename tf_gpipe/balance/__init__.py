@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tf_gpipe.balance.profile import Layers, _layer_list, by_memory, by_params, by_time
+from tf_gpipe.balance.profile import Layers, by_memory, by_params, by_time, listed_layers
 from tf_gpipe.balance.report import report
-from tf_gpipe.balance.solvers import _checked, solve_min_variance, solve_minmax, stage_costs
+from tf_gpipe.balance.solvers import solve_min_variance, solve_minmax, stage_costs
 
 __all__ = [
     "METHODS",
@@ -57,7 +57,21 @@ def balance_by(
         raise ValueError(f"tf_gpipe: unknown balance method {method!r}; use one of {list(METHODS)}.")
     if solver not in solvers:
         raise ValueError(f"tf_gpipe: unknown solver {solver!r}; use one of {list(SOLVERS)}.")
-    layer_list, spec = _layer_list(layers)
-    _checked([0.0] * len(layer_list), num_stages)  # fail before profiling
+    layer_list, spec = listed_layers(layers)
+    solve_minmax([0.0] * len(layer_list), num_stages)  # fail before profiling, as the solver would
     costs = estimators[method](layer_list, spec if sample is None else sample, **kwargs)
     return solvers[solver](costs, num_stages)
+
+
+def balance_by_cost(method: str, layers: list, spec: Any, num_stages: int | None, v: int) -> list[int]:
+    """``PipelineModel(balance="params" | "time" | "memory")``: the balance ``method`` gives
+    ``num_stages * v`` cells, measured on ``spec``, or an error that says what to pass."""
+    if num_stages is None:
+        raise ValueError(f"tf_gpipe: balance={method!r} needs num_stages (how many stages to balance).")
+    if spec is None:
+        raise ValueError(
+            f"tf_gpipe: balance={method!r} measures each layer on a sample input, so the input "
+            "shape must be known: start the layers with keras.Input(shape=...), or compute it with "
+            f"tf_gpipe.balance.balance_by({method!r}, layers, num_stages, sample) and pass the list."
+        )
+    return balance_by(method, layers, num_stages * v, spec)

@@ -14,14 +14,14 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import keras_compat
-from tf_gpipe.cell import _eager_build_scope, _layer_kwargs
+from tf_gpipe.cell import eager_build_scope, layer_kwargs
 
 __all__ = ["by_memory", "by_params", "by_time"]
 
 Layers: TypeAlias = Sequence[keras.layers.Layer] | keras.Sequential
 
 
-def _layer_list(layers: Any) -> tuple[list[keras.layers.Layer], Any]:
+def listed_layers(layers: Any) -> tuple[list[keras.layers.Layer], Any]:
     """The layers as a list, and the input spec of a leading ``keras.Input`` (else None)."""
     spec, layers = None, layers.layers if isinstance(layers, keras.Sequential) else layers
     if isinstance(layers, keras.layers.Layer):
@@ -69,7 +69,7 @@ def _inputs(sample: Any, batch_size: int) -> Any:
 
 
 @contextlib.contextmanager
-def _sandbox(layers: Sequence[keras.layers.Layer]) -> Iterator[None]:
+def sandbox(layers: Sequence[keras.layers.Layer]) -> Iterator[None]:
     """Undo what running the layers changes (BatchNorm statistics, Dropout seeds), or estimating
     costs would shift every later Dropout mask. Like torchgpipe's ``training_sandbox``."""
     saved = [(v, tf.identity(v.value)) for layer in layers for v in layer.non_trainable_variables]
@@ -80,15 +80,15 @@ def _sandbox(layers: Sequence[keras.layers.Layer]) -> Iterator[None]:
             v.assign(value)
 
 
-def _prepare(layers: Layers, sample: Any, batch_size: int) -> tuple[list[keras.layers.Layer], list[tuple]]:
+def run_unsplit(layers: Layers, sample: Any, batch_size: int) -> tuple[list[keras.layers.Layer], list[tuple]]:
     """Apply (and so build) the layers in order, unsplit, on CPU, in inference mode: (x, mask, y) each."""
-    layers, spec = _layer_list(layers)
+    layers, spec = listed_layers(layers)
     records, mask = [], None
-    with _eager_build_scope("/device:CPU:0"), _sandbox(layers):
+    with eager_build_scope("/device:CPU:0"), sandbox(layers):
         x = _inputs(spec if sample is None else sample, batch_size)
         for i, layer in enumerate(layers):
             try:
-                y = layer(x, **_layer_kwargs(layer, mask, False))
+                y = layer(x, **layer_kwargs(layer, mask, False))
             except Exception as e:  # name the layer: the traceback alone is hard to read
                 shapes = tf.nest.map_structure(lambda t: tuple(t.shape), x)
                 raise type(e)(f"tf_gpipe: running layers[{i}] ({layer.name!r}) on {shapes}: {e}") from e
@@ -99,7 +99,7 @@ def _prepare(layers: Layers, sample: Any, batch_size: int) -> tuple[list[keras.l
     return layers, records
 
 
-def _nbytes(structure: Any) -> int:
+def nbytes(structure: Any) -> int:
     flat = [t for t in tf.nest.flatten(structure) if t is not None]
     return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size for t in flat)
 
@@ -122,7 +122,7 @@ def by_params(layers: Layers, sample: Any = None, *, batch_size: int = 32) -> li
         >>> by_params([keras.layers.Dense(4), keras.layers.Dense(2)], (8, 3))
         [16.0, 10.0]
     """
-    layer_list, _ = _prepare(layers, sample, batch_size)
+    layer_list, _ = run_unsplit(layers, sample, batch_size)
     return [float(layer.count_params()) for layer in layer_list]
 
 
@@ -146,16 +146,16 @@ def by_memory(
         >>> by_memory([keras.layers.Dense(4)], (8, 3), optimizer_slots=0)  # (16 * 2 + 8 * 4) * 4 bytes
         [256.0]
     """
-    layer_list, records = _prepare(layers, sample, batch_size)
+    layer_list, records = run_unsplit(layers, sample, batch_size)
     out = []
     for layer, (_, _, y) in zip(layer_list, records):
-        weights = (2 + optimizer_slots) * _nbytes(layer.trainable_weights)
-        out.append(float(weights + _nbytes(layer.non_trainable_weights) + _nbytes(y)))
+        weights = (2 + optimizer_slots) * nbytes(layer.trainable_weights)
+        out.append(float(weights + nbytes(layer.non_trainable_weights) + nbytes(y)))
     return out
 
 
 def _grad_step(layer: keras.layers.Layer, mask: Any) -> Callable[[Any], tf.Tensor]:
-    kwargs = _layer_kwargs(layer, mask, True)
+    kwargs = layer_kwargs(layer, mask, True)
 
     @tf.function(autograph=False)  # plain Python: nothing to convert
     def step(x):
@@ -204,14 +204,14 @@ def by_time(
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"tf_gpipe: need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}.")
-    layer_list, records = _prepare(layers, sample, batch_size)
+    layer_list, records = run_unsplit(layers, sample, batch_size)
     steps = [partial(_grad_step(layer, mask), x) for layer, (x, mask, _) in zip(layer_list, records)]
-    # Not _eager_build_scope: tf.init_scope pauses gradient tapes, so the backward would be skipped.
-    with tf.device(device), _sandbox(layer_list):
-        return _median_times(steps, warmup, repeats)
+    # Not eager_build_scope: tf.init_scope pauses gradient tapes, so the backward would be skipped.
+    with tf.device(device), sandbox(layer_list):
+        return median_times(steps, warmup, repeats)
 
 
-def _median_times(
+def median_times(
     steps: Sequence[Callable[[], tf.Tensor]], warmup: int, repeats: int, cpu: list[float] | None = None
 ) -> list[float]:
     """Each step's median seconds over ``repeats`` calls, after a tracing call and ``warmup`` more.

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tf_gpipe import schedules
-from tf_gpipe.balance.profile import Layers, _layer_list, _nbytes, _prepare
+from tf_gpipe.balance.profile import Layers, listed_layers, nbytes, run_unsplit
 from tf_gpipe.devices import default_devices
 from tf_gpipe.partition import split_by_balance
 
@@ -48,7 +48,7 @@ def report(
         >>> layers = [keras.layers.Dense(64) for _ in range(4)]
         >>> print(report(layers, [2, 2], (32, 64), time_costs=by_time(layers, (32, 64))))  # doctest: +SKIP
     """
-    layer_list, spec = _layer_list(layers)
+    layer_list, spec = listed_layers(layers)
     groups = split_by_balance(list(range(len(layer_list))), None, balance)
     if len(groups) % virtual_stages:
         raise ValueError(f"tf_gpipe: balance has {len(groups)} stages, not a multiple of virtual_stages.")
@@ -56,8 +56,8 @@ def report(
         raise ValueError(f"tf_gpipe: time_costs has {len(time_costs)} entries for {len(layer_list)} layers.")
     known: dict[str, Sequence[float] | None] = {"time": time_costs, "activations": None}
     if sample is not None or spec is not None or not all(layer.built for layer in layer_list):
-        records = _prepare(layer_list, spec if sample is None else sample, batch_size)[1]
-        known["activations"] = [_nbytes(y) for _, _, y in records]
+        records = run_unsplit(layer_list, spec if sample is None else sample, batch_size)[1]
+        known["activations"] = [nbytes(y) for _, _, y in records]
     params = [layer.count_params() for layer in layer_list]
     known["params"] = params
     per = {k: None if v is None else [float(sum(v[i] for i in g)) for g in groups] for k, v in known.items()}

@@ -7,8 +7,8 @@ import socket
 import time
 
 import tensorflow as tf
-from tensorflow.python.eager import context as _context
 
+from tf_gpipe import tf_compat
 from tf_gpipe.cluster.spec import ClusterLike, _addresses, _parse, cluster_spec
 from tf_gpipe.cluster.watch import WorkerFailedError, _probe
 
@@ -184,7 +184,7 @@ def client_device() -> str:
     Pass it as ``tf.train.CheckpointOptions(experimental_io_device=client_device())`` so a
     checkpoint of variables on remote workers is written by this process, to its own disk.
     """
-    server_def = _context.get_server_def()
+    server_def = tf_compat.server_def()
     if server_def is None:
         return "/job:localhost/replica:0/task:0/device:CPU:0"
     return f"/job:{server_def.job_name}/replica:0/task:{server_def.task_index}/device:CPU:0"

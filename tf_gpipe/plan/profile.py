@@ -3,7 +3,7 @@
 Every quantity is measured at two batch sizes and kept as an :class:`Affine` cost
 ``fixed + per_example * n``, so that the planner can price any micro-batch size:
 a GPU step has a fixed launch cost that a purely proportional model would miss.
-Times come from ``tf_gpipe.balance.profile._median_times``, of a forward-only step
+Times come from ``tf_gpipe.balance.profile.median_times``, of a forward-only step
 and a forward+backward step, so the backward is their difference; a layer with weights
 is also timed with a backward w.r.t. its input only and w.r.t. its weights only, the
 halves a split schedule (zb-h1) runs as B and W. The bytes a
@@ -31,8 +31,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import keras_compat
-from tf_gpipe.balance.profile import _layer_list, _median_times, _nbytes, _prepare, _sandbox
-from tf_gpipe.cell import _layer_kwargs
+from tf_gpipe.balance.profile import listed_layers, median_times, nbytes, run_unsplit, sandbox
+from tf_gpipe.cell import layer_kwargs
 
 __all__ = ["Affine", "LayerProfile", "ModelProfile", "profile_layers"]
 
@@ -123,7 +123,7 @@ class ModelProfile:
 
 
 def _forward_step(layer: keras.layers.Layer, mask: Any) -> Callable[[Any], tf.Tensor]:
-    kwargs = _layer_kwargs(layer, mask, True)
+    kwargs = layer_kwargs(layer, mask, True)
 
     @tf.function(autograph=False)
     def step(x):
@@ -175,7 +175,7 @@ def _taped_step(
     (timed); ungated, the graph :func:`_kept` reads (gating's groups tie each op's gradients
     together, which says nothing of what the forward must keep) and the step whose
     allocator peak is read."""
-    kwargs, marks = _layer_kwargs(layer, mask, True), {}
+    kwargs, marks = layer_kwargs(layer, mask, True), {}
 
     @tf.function(autograph=False)
     def step(x):
@@ -288,8 +288,8 @@ def _estimated_peaks(
     the output; then what the backward keeps, the output's gradient, the input's and the weights'."""
     x, _, y = record
     internal, _, saves_output = kept
-    out = _nbytes(y) * (2 if saves_output else 1)
-    return _nbytes(y), internal + out + (_nbytes(x) if input_grads else 0) + _nbytes(layer.trainable_weights)
+    out = nbytes(y) * (2 if saves_output else 1)
+    return nbytes(y), internal + out + (nbytes(x) if input_grads else 0) + nbytes(layer.trainable_weights)
 
 
 def _at_batch(sample: Any, n: int) -> Any:
@@ -348,7 +348,7 @@ def profile_layers(
     Returns:
         A :class:`ModelProfile`: one profile per layer, in order, and the call overhead.
     """
-    layer_list, spec = _layer_list(layers)
+    layer_list, spec = listed_layers(layers)
     sample = spec if sample is None else sample
     if sample is None:
         raise ValueError(
@@ -358,7 +358,7 @@ def profile_layers(
     allocator = allocator_name(device)
     per_size = []
     for n in sizes:
-        _, records = _prepare(layer_list, _at_batch(sample, n), n)
+        _, records = run_unsplit(layer_list, _at_batch(sample, n), n)
         nothing = _Nothing(name="planner_call_overhead")
         steps: list[Callable[[], tf.Tensor]] = []
         ungated: list[Callable[[], tf.Tensor]] = []  # the same steps, the backward ungated
@@ -378,8 +378,8 @@ def profile_layers(
                 for grads in ({"weight_grads": False}, {"input_grads": False}):
                     halves.append(partial(_taped_step(layer, mask, **grads)[0], x))
         cpu: list[float] = []
-        with tf.device(device), _sandbox(layer_list):
-            times = _median_times(steps + halves, warmup, repeats, cpu=cpu)
+        with tf.device(device), sandbox(layer_list):
+            times = median_times(steps + halves, warmup, repeats, cpu=cpu)
             # Peaks of the ungated steps: gating's groups keep gradients alive in a
             # one-layer step that the pipeline's stages free, so the gated peaks read 20-25%
             # above what a Transformer's devices held, the ungated within 2-15%.
@@ -413,12 +413,12 @@ def profile_layers(
         out.append(
             LayerProfile(
                 name=layer.name,
-                trainable_bytes=_nbytes(layer.trainable_weights),
-                non_trainable_bytes=_nbytes(layer.non_trainable_weights),
+                trainable_bytes=nbytes(layer.trainable_weights),
+                non_trainable_bytes=nbytes(layer.non_trainable_weights),
                 forward_s=Affine.fit(n1, fwd1, n2, fwd2),
                 backward_s=backward_s,
-                input_bytes=Affine.fit(n1, _nbytes(rec1[i][0]), n2, _nbytes(rec2[i][0])),
-                output_bytes=Affine.fit(n1, _nbytes(rec1[i][2]), n2, _nbytes(rec2[i][2])),
+                input_bytes=Affine.fit(n1, nbytes(rec1[i][0]), n2, nbytes(rec2[i][0])),
+                output_bytes=Affine.fit(n1, nbytes(rec1[i][2]), n2, nbytes(rec2[i][2])),
                 saved_bytes=Affine.fit(n1, k1[i][0], n2, k2[i][0]),
                 uses_input=k1[i][1] or k2[i][1],
                 saves_output=k1[i][2] or k2[i][2],

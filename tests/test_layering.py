@@ -1,0 +1,217 @@
+"""The modules of tf_gpipe form layers: each imports only from below, so none needs an
+import inside a function to break a cycle, and a reader can take them in order.
+
+The import graph is read from the source with ``ast``, imports inside functions
+included (they close a cycle as well as top-level ones, only later). A submodule's
+package ``__init__`` runs before it, but only imports written out count: that is the
+order Python resolves and the one a reader follows.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tf_gpipe"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, str]:
+    """``{module name: its source}`` for every module of the package."""
+    return {_module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, source: str, modules: set[str], is_package: bool) -> set[str]:
+    """The package's modules that ``source`` (module ``name``) imports, anywhere in it."""
+
+    def owner(dotted: str) -> str | None:  # the module a dotted name lives in
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(owner(a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package upwards
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            for a in node.names:  # `from pkg import submodule` imports the submodule
+                found.add(owner(f"{base}.{a.name}"))
+    return {m for m in found if m is not None and m != name}
+
+
+def import_graph(sources: dict[str, str], packages: set[str] | None = None) -> dict[str, set[str]]:
+    """``{module: the package's modules it imports}``; ``packages`` are the ``__init__`` ones."""
+    packages = packages if packages is not None else _packages()
+    modules = set(sources)
+    return {name: _imports(name, src, modules, name in packages) for name, src in sources.items()}
+
+
+def _packages() -> set[str]:
+    return {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    cycle = find_cycle(import_graph(_sources()))
+    assert cycle is None, (
+        "tf_gpipe's modules import each other in a cycle: "
+        + " -> ".join(cycle or [])
+        + ". Move what they share into the lower module, or into a small module of its own."
+    )
+
+
+def test_the_check_sees_a_cycle_closed_inside_a_function():
+    sources = {
+        "tf_gpipe.low": "def f():\n    from tf_gpipe import high\n",
+        "tf_gpipe.high": "from tf_gpipe.low import f\n",
+        "tf_gpipe.other": "import tf_gpipe.low\n",
+    }
+    assert find_cycle(import_graph(sources, set())) == ["tf_gpipe.high", "tf_gpipe.low", "tf_gpipe.high"]
+    sources["tf_gpipe.low"] = "def f():\n    pass\n"
+    assert find_cycle(import_graph(sources, set())) is None
+
+
+def test_the_graph_resolves_every_kind_of_import():
+    graph = import_graph(_sources())
+    assert "tf_gpipe.loop" in graph["tf_gpipe.executor"]  # from tf_gpipe import loop
+    assert "tf_gpipe.balance" in graph["tf_gpipe.model"]  # from tf_gpipe.balance import ...
+    assert "tf_gpipe.balance.profile" in graph["tf_gpipe.balance"]  # the package's __init__
+    assert len(graph) > 40
+
+
+def private_reads(sources: dict[str, str], packages: set[str] | None = None) -> list[str]:
+    """``module:line: name`` for each private name (``_x``) a module takes from another
+    module of the package: ``from tf_gpipe.m import _x``, or ``m._x`` on an imported
+    module. Within one subpackage (``tf_gpipe.cluster``) its modules may share privates."""
+    modules = set(sources)
+    packages = packages if packages is not None else _packages()
+
+    def subpackage(module: str) -> str | None:  # tf_gpipe.cluster for tf_gpipe.cluster[.x]
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 or (len(parts) == 2 and module in packages) else None
+
+    def same_subpackage(a: str, b: str) -> bool:
+        return subpackage(a) is not None and subpackage(a) == subpackage(b)
+
+    found = []
+    for name, source in sources.items():
+        tree = ast.parse(source)
+        aliases: dict[str, str] = {}  # local name -> the package's module it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tf_gpipe"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in modules:
+                        aliases[a.asname or a.name] = full
+                    elif a.name.startswith("_") and not same_subpackage(name, node.module or ""):
+                        found.append(f"{name}:{node.lineno}: from {node.module} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != name
+                and not same_subpackage(name, aliases[node.value.id])
+            ):
+                found.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reads_another_modules_privates():
+    found = private_reads(_sources())
+    assert not found, (
+        "tf_gpipe modules read other modules' private names (make what they share public in "
+        "the module that owns it; internal modules say so with __all__ = []):\n" + "\n".join(found)
+    )
+
+
+def test_the_check_sees_a_private_read():
+    sources = {
+        "tf_gpipe.low": "def _f():\n    pass\n",
+        "tf_gpipe.high": "from tf_gpipe import low\nfrom tf_gpipe.low import _f\nlow._f()\n",
+        "tf_gpipe.sub": "from tf_gpipe.sub.b import _g\n",
+        "tf_gpipe.sub.a": "from tf_gpipe.sub.b import _g\n",
+        "tf_gpipe.sub.b": "def _g():\n    pass\n",
+    }
+    assert private_reads(sources, {"tf_gpipe.sub"}) == [
+        "tf_gpipe.high:2: from tf_gpipe.low import _f",
+        "tf_gpipe.high:3: low._f",
+    ]
+
+
+# The modules whose __all__ is public API (docs/api.md): what tf_gpipe/__init__.py exports
+# from, and the public subpackages. Every other module is the engine's own.
+EXPORTING = ("tf_gpipe.model", "tf_gpipe.devices", "tf_gpipe.replay")
+PUBLIC = {"tf_gpipe", "tf_gpipe.timeline", "tf_gpipe.flags", *EXPORTING}
+PUBLIC_PACKAGES = ("tf_gpipe.schedules", "tf_gpipe.balance", "tf_gpipe.cluster", "tf_gpipe.plan")
+
+
+def declared_all(source: str) -> list[str] | None:
+    """The names a module's ``__all__`` lists (a literal list), or None if it has none."""
+    for node in ast.parse(source).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        if isinstance(target, ast.Name) and target.id == "__all__" and isinstance(node.value, ast.List):
+            return [ast.literal_eval(e) for e in node.value.elts]
+    return None
+
+
+def test_internal_modules_say_so():
+    """``__all__ = []`` in each internal module, as torchgpipe's: that a name has no
+    underscore makes it shared inside the package, not public."""
+    public = [
+        name
+        for name, source in _sources().items()
+        if name not in PUBLIC
+        and not name.startswith(PUBLIC_PACKAGES)
+        and name != "tf_gpipe.cluster.__main__"
+        and declared_all(source) != []
+    ]
+    assert not public, f"internal modules without `__all__: list[str] = []`: {public}"
+
+
+def test_a_public_modules_all_is_what_tf_gpipe_exports_from_it():
+    exported: dict[str, set[str]] = {}
+    for node in ast.parse(_sources()["tf_gpipe"]).body:
+        if isinstance(node, ast.ImportFrom) and node.module in EXPORTING:
+            exported.setdefault(node.module, set()).update(a.name for a in node.names)
+    sources = _sources()
+    assert {m: set(declared_all(sources[m]) or []) for m in EXPORTING} == exported

@@ -1,0 +1,153 @@
+"""A stage's gradient sums: fit adds each weight's gradient of every micro-batch into a variable.
+
+fit sums each weight's gradient over the micro-batches in a variable on the stage's
+device, added to inside the backward function as each gradient is made (what PyTorch
+does with ``.grad``). Summing the returned gradients in the step instead would add
+K x M x weights ops to its graph (the first step growing with M), and would hold
+a whole stage's gradients at once beside the running sum.
+
+The sums' token (ready once an addition is done) flows as data from the zeroing
+through every addition of the stage to the final read: each function call's every
+output is read as data. Grappler's function optimizer specializes (rewrites a copy
+of) a function for each call with an output nobody reads as data (a token read only
+through a control edge, or an IndexedSlices' dense_shape); with every output read it
+specializes none. (The first step did not get measurably faster: what grows with M is
+elsewhere, benchmarks/compiled_stages/README.md.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tf_gpipe import replay
+from tf_gpipe.cell import Cell
+
+__all__: list[str] = []
+
+
+class GradientSums:
+    """The gradient-sum variables of one cell, and the functions that zero, add to and read them.
+
+    Args:
+        cell: the stage; the variables live in ``cell.gradient_sums``, which outlives a
+            remake of its stage functions (a new XLA choice).
+        traces: the stage functions' trace counts; each traced body adds to ``"sum"``.
+        eager: run the bodies directly, not as functions (``run_eagerly``).
+    """
+
+    def __init__(self, cell: Cell, traces: dict[str, int], eager: bool = False):
+        self.cell = cell
+        self.traces = traces
+        self._sums: dict[int, tf.Variable] = cell.gradient_sums
+        # Found while tracing: the variables that get a gradient, and those that get rows.
+        self.graded: set = set()
+        self.sparse: set = set()
+        # Not inlined, as the stage functions (``tf_gpipe.stage``), except the addition: only
+        # a taped (not re-materialized) stage adds its gradients with a call of its own,
+        # inlined like that stage's forward, so each gradient is added, and freed, as soon as
+        # the inlined backward makes it: as one call it would wait for all of them.
+        options = dict(reduce_retracing=True, autograph=False, experimental_attributes={"_noinline": True})
+        self._add = tf.function(self._add_body, jit_compile=False, reduce_retracing=True, autograph=False)
+        self._zero = tf.function(self._zero_body, jit_compile=False, **options)
+        self._read = tf.function(self._read_body, jit_compile=False, **options)
+        if eager:  # compile(run_eagerly=True)
+            self._add, self._zero, self._read = self._add_body, self._zero_body, self._read_body
+
+    def variables(self, variables: list[Any]) -> list[tf.Variable]:
+        """The gradient-sum variables of ``variables`` (made on first use, never saved)."""
+        missing = [v for v in variables if id(v) not in self._sums]
+        if missing:
+            with tf.init_scope(), tf.device(self.cell.device):
+                for v in missing:
+                    self._sums[id(v)] = tf.Variable(
+                        tf.zeros(v.shape, tf.as_dtype(v.dtype)),
+                        trainable=False,
+                        name=f"grad_sum_{v.name}".replace("/", "_").replace(":", "_"),
+                    )
+        return [self._sums[id(v)] for v in variables]
+
+    def zero(self, inline: bool = False) -> tf.Tensor:
+        """Set the gradient sums to zero; returns a token that is ready once they are.
+
+        ``inline``: the ops go into the caller's graph, not into a function call (the
+        tick loops, whose tokens pass through loop variables, not straight from one call
+        to another: see the module docstring)."""
+        self.variables(self.cell.trainable_variables)
+        with tf.device(self.cell.device):
+            return self._zero_body() if inline else self._zero()
+
+    def read(self, token: tf.Tensor, inline: bool = False) -> dict[int, tf.Tensor]:
+        """``{id(variable): summed dense gradient}`` for the variables that got one, read
+        once ``token`` (the last addition's) is ready; ``inline`` as ``zero``."""
+        variables = self.cell.trainable_variables
+        dense = [
+            (v, s)
+            for v, s in zip(variables, self.variables(variables))
+            if id(v) in self.graded and id(v) not in self.sparse
+        ]
+        # Called even with no dense sums (a stage whose weights all get rows): it reads the token.
+        with tf.device(self.cell.device):
+            values = (self._read_body if inline else self._read)(token, [s for _, s in dense])
+        return {id(v): t for (v, _), t in zip(dense, values)}
+
+    def add(
+        self, grads: list[tf.Tensor | None], nonempty: Any = None, after: Any = None
+    ) -> tuple[tf.Tensor, list[Any]]:
+        """Add gradients (following ``cell.trainable_variables``) to the sums, zeroed first
+        for an empty micro-batch, once ``after`` (the previous addition's token) is ready;
+        returns ``(token, sparse gradients)`` as ``add_in_body``."""
+        self.variables(self.cell.trainable_variables)
+        with tf.device(self.cell.device):
+            token, rows = self._add(list(grads), nonempty, after)
+        return token, self.rows_in(rows)
+
+    def _zero_body(self):
+        self.traces["sum"] += 1
+        return _ready([s.assign(tf.zeros_like(s)) for s in self.variables(self.cell.trainable_variables)])
+
+    def _read_body(self, token, sums):
+        with tf.control_dependencies([token]):
+            return [s.read_value() for s in sums]
+
+    def _add_body(self, grads, nonempty, after):
+        self.traces["sum"] += 1
+        with tf.control_dependencies([] if after is None else [after]):
+            return self.add_in_body([replay.mask_grad(g, nonempty) for g in grads])
+
+    def add_in_body(self, grads: list[Any]) -> tuple[tf.Tensor, list[Any]]:
+        """Add the dense gradients to their sums. Returns ``(token, rows)``: the token is
+        ready once every sum is added to; ``rows`` holds the IndexedSlices gradients (an
+        Embedding's rows) as ``(values, indices)`` pairs (``rows_in`` makes them
+        IndexedSlices again), which are returned, not summed: Keras' optimizers update a
+        weight differently given its gradient as rows than as a dense tensor, and the
+        unsplit model gives them rows."""
+        ops: list[Any] = []
+        rows: list[tuple[Any, Any] | None] = []
+        variables = self.cell.trainable_variables
+        for v, total, g in zip(variables, self.variables(variables), grads):
+            if g is not None:
+                self.graded.add(id(v))
+            if isinstance(g, tf.IndexedSlices):
+                self.sparse.add(id(v))
+                # Without dense_shape, which nobody reads (see the module docstring).
+                rows.append((g.values, g.indices))
+                continue
+            rows.append(None)
+            if g is not None:
+                ops.append(total.assign_add(g))
+        return _ready(ops), rows
+
+    def rows_in(self, rows: list[Any]) -> list[Any]:
+        """``add_in_body``' rows as IndexedSlices of the shape of their variables."""
+        return [
+            None if r is None else tf.IndexedSlices(r[0], r[1], tf.constant(v.shape.as_list(), tf.int32))
+            for v, r in zip(self.cell.trainable_variables, rows)
+        ]
+
+
+def _ready(ops: list[Any]) -> tf.Tensor:
+    """A token that is ready once every op of ``ops`` has run."""
+    with tf.control_dependencies(ops):
+        return tf.constant(True)
