@@ -222,7 +222,7 @@ _FIT_SCRIPT = textwrap.dedent(
     x = rng.randn(16, 6).astype("float32")
     y = rng.randn(16, 3).astype("float32")
     result = {}
-    for tag, jit, devices, remat, tick_loop in [
+    for tag, jit, devices, remat, micro_batch_loops in [
         ("auto", "auto", ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"], "always", False),
         ("jit", True, ["/device:CPU:2", "/device:CPU:0", "/device:CPU:3"], "except_last", "auto"),
         ("loop", "auto", ["/device:CPU:1", "/device:CPU:3", "/device:CPU:0"], "always", "auto"),
@@ -236,7 +236,7 @@ _FIT_SCRIPT = textwrap.dedent(
         ]
         model = tf_gpipe.PipelineModel(
             layers, num_stages=3, num_micro_batches=2, devices=devices, remat=remat,
-            tick_loop=tick_loop,
+            micro_batch_loops=micro_batch_loops,
         )
         model.compile(optimizer="sgd", loss="mse", jit_compile=jit)
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)

@@ -40,7 +40,7 @@ def test_defaults_are_pipeline_model_defaults():
         "schedule": "gpipe",
         "virtual_stages": 1,
         "deferred_batch_norm": True,
-        "tick_loop": "auto",
+        "micro_batch_loops": "auto",
     }
     assert fv.virtual_cpus == 0
 
@@ -58,9 +58,9 @@ def test_script_defaults_replace_the_library_defaults():
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("true", True), ("false", False)])
 def test_micro_batch_loops_flag(value, expected):
     kwargs = pipeline_flags.pipeline_kwargs(_parse([f"--micro_batch_loops={value}"]))
-    assert kwargs["tick_loop"] == expected  # PipelineModel's argument
+    assert kwargs["micro_batch_loops"] == expected  # PipelineModel's argument
     kwargs = pipeline_flags.pipeline_kwargs(_parse(defaults={"micro_batch_loops": expected}))
-    assert kwargs["tick_loop"] == expected
+    assert kwargs["micro_batch_loops"] == expected
     assert "--micro_batch_loops" in _error(["--micro_batch_loops=maybe"])
 
 
@@ -68,7 +68,7 @@ def test_tick_loop_is_a_deprecated_alias_of_micro_batch_loops():
     fv = _parse(["--tick_loop=false"])
     assert fv.micro_batch_loops == "false"
     with pytest.warns(FutureWarning, match="--micro_batch_loops"):
-        assert pipeline_flags.pipeline_kwargs(fv)["tick_loop"] is False
+        assert pipeline_flags.pipeline_kwargs(fv)["micro_batch_loops"] is False
     # A script's defaults may still use the old name.
     assert _parse(defaults={"tick_loop": True}).micro_batch_loops == "true"
     assert "--micro_batch_loops" in _error(["--tick_loop=maybe"])
@@ -212,7 +212,7 @@ def test_flags_build_a_model_that_trains():
         ]
     )
     model = tf_gpipe.PipelineModel(_layers(), **pipeline_flags.pipeline_kwargs(fv))
-    assert model.tick_loop is False
+    assert model.micro_batch_loops is False
     settings = (model.num_stages, model.num_micro_batches, model.remat, model.schedule)
     assert settings == (2, 3, "except_last", "1f1b")
     assert model.deferred_batch_norm is False

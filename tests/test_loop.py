@@ -45,7 +45,7 @@ def _fit(make_layers, x, y, use_loop, monkeypatch, **kwargs):
     original = loop.run
     monkeypatch.setattr(loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
     keras.utils.set_random_seed(7)
-    pm = tf_gpipe.PipelineModel(make_layers(), num_micro_batches=5, tick_loop=use_loop, **kwargs)
+    pm = tf_gpipe.PipelineModel(make_layers(), num_micro_batches=5, micro_batch_loops=use_loop, **kwargs)
     pm.compile(optimizer="adam", loss=LOSS)
     # 29 examples in batches of 13: micro-batches of 3 and 2, then a batch of 3 cut
     # into 5 (two of them padded stand-ins that must change nothing).
@@ -78,7 +78,7 @@ def _step_graph(M, use_loop):
     # On logical CPUs even where GPUs are visible: only there are the handles packed.
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     pm = tf_gpipe.PipelineModel(
-        mlp_layers(depth=3), num_stages=2, num_micro_batches=M, tick_loop=use_loop, devices=cpus
+        mlp_layers(depth=3), num_stages=2, num_micro_batches=M, micro_batch_loops=use_loop, devices=cpus
     )
     pm.compile(optimizer="sgd", loss=LOSS)
     pm.build((None, 8))
@@ -188,24 +188,24 @@ def _uses_loop(monkeypatch, **options):
 
 
 def test_the_default_loops_on_cpus(cpu_devices, monkeypatch):
-    """``tick_loop="auto"`` (the default) builds GPipe's step as the loops where every
+    """``micro_batch_loops="auto"`` (the default) builds GPipe's step as the loops where every
     stage is on a CPU, logical CPUs included."""
-    assert tf_gpipe.PipelineModel(mlp_layers(depth=3)).tick_loop == "auto"
+    assert tf_gpipe.PipelineModel(mlp_layers(depth=3)).micro_batch_loops == "auto"
     assert _uses_loop(monkeypatch, devices=cpu_devices[:2])
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(tick_loop=False),
-        dict(tick_loop=True, num_micro_batches=1),
+        dict(micro_batch_loops=False),
+        dict(micro_batch_loops=True, num_micro_batches=1),
         dict(num_micro_batches=1),
         dict(schedule="1f1b"),
         dict(remat="except_last"),
     ],
 )
 def test_other_steps_are_built_out(kwargs, monkeypatch):
-    """With ``tick_loop=False``, at M=1 (nothing to loop over), and for another schedule or
+    """With ``micro_batch_loops=False``, at M=1 (nothing to loop over), and for another schedule or
     remat mode, the executor builds every action."""
     assert not _uses_loop(monkeypatch, **kwargs)
 
@@ -227,21 +227,23 @@ def test_auto_keeps_gpu_stages_built_out():
 
 
 @pytest.mark.parametrize("kwargs", [dict(schedule="1f1b"), dict(remat="never"), dict(remat="except_last")])
-def test_tick_loop_refuses_other_schedules_and_remat_modes(kwargs):
-    with pytest.raises(ValueError, match="tick_loop=True builds GPipe's step with every stage"):
-        tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, tick_loop=True, **kwargs)
+def test_micro_batch_loops_refuses_other_schedules_and_remat_modes(kwargs):
+    with pytest.raises(ValueError, match="micro_batch_loops=True builds GPipe's step with every stage"):
+        tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, micro_batch_loops=True, **kwargs)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
-def test_tick_loop_refuses_other_values(value):
-    with pytest.raises(ValueError, match="tick_loop must be True, False or 'auto'"):
-        tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, tick_loop=value)
+def test_micro_batch_loops_refuses_other_values(value):
+    with pytest.raises(ValueError, match="micro_batch_loops must be True, False or 'auto'"):
+        tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, micro_batch_loops=value)
 
 
 @pytest.mark.parametrize("value", [True, False, "auto"])
-def test_tick_loop_survives_the_config_round_trip(value):
-    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=4, tick_loop=value)
-    assert tf_gpipe.PipelineModel.from_config(pm.get_config()).tick_loop == value
+def test_micro_batch_loops_survives_the_config_round_trip(value):
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=3), num_stages=2, num_micro_batches=4, micro_batch_loops=value
+    )
+    assert tf_gpipe.PipelineModel.from_config(pm.get_config()).micro_batch_loops == value
 
 
 def test_loops_carry_one_handle_tensor_per_stage():

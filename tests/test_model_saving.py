@@ -130,11 +130,17 @@ def test_config_round_trip_unbuilt_default_devices():
 @pytest.mark.parametrize("key", ["micro_batch_loops", "tick_loop"])
 def test_a_config_names_the_micro_batch_loops_either_way(key):
     config = PipelineModel(_dense_layers(), num_stages=2, num_micro_batches=4).get_config()
-    del config["tick_loop"]
+    del config["micro_batch_loops"]
     config[key] = False  # saved with the loops switched off, under either name
     clone = PipelineModel.from_config(config)
-    assert clone.tick_loop is False
-    assert clone.get_config()["tick_loop"] is False
+    assert clone.micro_batch_loops is False
+    assert clone.get_config()["micro_batch_loops"] is False
+
+
+def test_tick_loop_is_the_deprecated_name_of_micro_batch_loops():
+    with pytest.warns(FutureWarning, match="micro_batch_loops"):
+        model = PipelineModel(_dense_layers(), num_stages=2, num_micro_batches=4, tick_loop=False)
+    assert model.micro_batch_loops is False
 
 
 def test_from_config_with_unavailable_devices_falls_back(cpu_devices):

@@ -82,7 +82,7 @@ def run_schedule(
     cell_loss_grads: Sequence[tf.Tensor] | None = None,
     tracer: Any = None,
     deferred: Any = None,
-    tick_loop: bool | str = False,
+    micro_batch_loops: bool | str = False,
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]]]:
     """Build one training step of ``schedule`` over ``cells``.
 
@@ -99,7 +99,7 @@ def run_schedule(
         tracer: optional ``tf_gpipe.timeline.Recorder`` that marks each span.
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
-        tick_loop: build GPipe with every stage re-materialized as ``tf_gpipe.loop``'s
+        micro_batch_loops: build GPipe with every stage re-materialized as ``tf_gpipe.loop``'s
             loops over micro-batches where it applies: True, False, or "auto" (where every
             stage is on a CPU; ``loop.chosen``).
 
@@ -114,8 +114,8 @@ def run_schedule(
             f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
         )
     if (
-        tick_loop
-        and loop.chosen(tick_loop, cells)
+        micro_batch_loops
+        and loop.chosen(micro_batch_loops, cells)
         and loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer)
     ):
         # GPipe with every stage re-materialized: 2K call sites, not O(K x M).

@@ -44,7 +44,7 @@ __all__ = [
 BALANCE_METHODS = ("params", "time", "memory")
 _REMAT_MODES = ("always", "except_last", "never")  # tf_gpipe.pipeline.REMAT_MODES
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # tf_gpipe.schedules.SCHEDULES
-_LOOPS = {"auto": "auto", "true": True, "false": False}  # PipelineModel(tick_loop=...)
+_LOOPS = {"auto": "auto", "true": True, "false": False}  # PipelineModel(micro_batch_loops=...)
 # --micro_batch_loops' deprecated name, kept (as a ``defaults`` key too) so that existing
 # command lines and scripts keep working.
 _LOOPS_ALIAS = "tick_loop"
@@ -347,7 +347,7 @@ def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, An
     Returns:
         A dict with ``num_stages``, ``balance``, ``num_micro_batches``,
         ``devices``, ``remat``, ``schedule``, ``virtual_stages``,
-        ``deferred_batch_norm`` and ``tick_loop`` (from ``--micro_batch_loops``).
+        ``deferred_batch_norm`` and ``micro_batch_loops``.
 
     Warns (``FutureWarning``) when the deprecated ``--tick_loop`` was given.
     """
@@ -373,7 +373,7 @@ def pipeline_kwargs(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, An
         "schedule": fv.schedule,
         "virtual_stages": fv.virtual_stages,
         "deferred_batch_norm": fv.deferred_batch_norm,
-        "tick_loop": _LOOPS[fv.micro_batch_loops],
+        "micro_batch_loops": _LOOPS[fv.micro_batch_loops],
     }
 
 

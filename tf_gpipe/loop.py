@@ -23,7 +23,7 @@ as the executor's control dependencies make it, and no iteration waits for the s
 after it. No stage ever idles in a loop: no conditionals, none of the K - 1 clock ticks a
 tick-by-tick loop spends filling and draining the pipe (conds and ticks would cost twice
 the host work per step, benchmarks/compiled_stages/README.md). The option is still named
-after them: ``PipelineModel(tick_loop=...)``.
+after them: ``PipelineModel(micro_batch_loops=...)``.
 
 Within an iteration a stage hands its outputs (backward: its input gradients) straight to
 the next. What a stage's backward needs of its forwards (its inputs, side inputs and mask,
@@ -63,11 +63,11 @@ _Build = TypeVar("_Build", bound=Callable[..., Any])
 
 
 def chosen(setting: bool | str, cells: Sequence[Cell]) -> bool:
-    """Whether ``PipelineModel(tick_loop=setting)`` asks for the loops on these stages.
+    """Whether ``PipelineModel(micro_batch_loops=setting)`` asks for the loops on these stages.
 
     ``"auto"`` asks for them where every stage is on a CPU: the loops have not run on a
     GPU yet (none was available while they were built), so GPU stages keep the step
-    built out, one call per (stage, micro-batch), unless ``tick_loop=True``.
+    built out, one call per (stage, micro-batch), unless ``micro_batch_loops=True``.
     """
     if setting == "auto":
         return all(tf.DeviceSpec.from_string(c.device or "").device_type == "CPU" for c in cells)

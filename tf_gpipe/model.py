@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,14 +90,15 @@ class PipelineModel(keras.Model):
             same micro-batches as the main input, and a layer receives it as a
             keyword argument when its ``call`` has a parameter of that name. Side
             inputs are not differentiated.
-        tick_loop: build ``fit``'s step as two loops over micro-batches (``tf_gpipe.loop``):
+        micro_batch_loops: build ``fit``'s step as two loops over micro-batches (``tf_gpipe.loop``):
             2K stage-function call sites whatever M, so the first step stops growing with M
             (figures: docs/api.md, benchmarks/compiled_stages/README.md). It applies to
             ``schedule="gpipe"``, ``remat="always"``, M >= 2, dense inputs and no timeline
             recorder; other steps are built out (one call per stage and micro-batch).
             ``"auto"`` (the default) builds the loops where they apply and every stage is on
             a CPU; ``True`` on any device (on GPUs they are unmeasured, and the variable
-            handles cannot be packed: ``tf_gpipe.handles``); ``False`` never.
+            handles cannot be packed: ``tf_gpipe.handles``); ``False`` never. The
+            deprecated ``tick_loop=`` is the same argument.
         plan: a ``tf_gpipe.plan(...)`` result: sets ``num_stages``, ``balance``,
             ``num_micro_batches``, ``remat``, ``schedule``, ``virtual_stages`` and
             ``devices``; any of these also given must agree with it.
@@ -139,10 +141,13 @@ class PipelineModel(keras.Model):
         deferred_batch_norm: bool = True,
         side_inputs: Sequence[str] = (),
         plan: Any = None,
-        tick_loop: bool | str = "auto",
+        micro_batch_loops: bool | str = "auto",
         **kwargs: Any,
     ):
         check_backend()  # again: keras.config.set_backend can switch it after the import
+        if "tick_loop" in kwargs:  # the argument's name before the loops ran over micro-batches
+            warnings.warn("tf_gpipe: tick_loop= is deprecated, use micro_batch_loops=.", FutureWarning, 2)
+            micro_batch_loops = kwargs.pop("tick_loop")
         super().__init__(**kwargs)
         if plan is not None:  # tf_gpipe.plan(...) sets these; any also given here must agree with it
             num_stages, balance, num_micro_batches, devices, remat, schedule, virtual_stages = plan.resolve(
@@ -163,13 +168,15 @@ class PipelineModel(keras.Model):
             )
         if remat not in REMAT_MODES:
             raise ValueError(f"tf_gpipe: unknown remat mode {remat!r}; use one of {list(REMAT_MODES)}.")
-        if not (isinstance(tick_loop, bool) or tick_loop == "auto"):
-            raise ValueError(f"tf_gpipe: tick_loop must be True, False or 'auto', got {tick_loop!r}.")
-        if tick_loop is True and (schedule != "gpipe" or remat != "always"):
+        if not (isinstance(micro_batch_loops, bool) or micro_batch_loops == "auto"):
             raise ValueError(
-                f"tf_gpipe: tick_loop=True builds GPipe's step with every stage re-materialized; "
+                f"tf_gpipe: micro_batch_loops must be True, False or 'auto', got {micro_batch_loops!r}."
+            )
+        if micro_batch_loops is True and (schedule != "gpipe" or remat != "always"):
+            raise ValueError(
+                f"tf_gpipe: micro_batch_loops=True builds GPipe's step with every stage re-materialized; "
                 f"got schedule={schedule!r}, remat={remat!r}. Use schedule='gpipe', remat='always', "
-                "or tick_loop='auto' (the loops where they apply) or False."
+                "or micro_batch_loops='auto' (the loops where they apply) or False."
             )
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")
@@ -201,7 +208,7 @@ class PipelineModel(keras.Model):
         )
         resolved = resolve_devices(devices, num_stages)
         self.num_micro_batches = num_micro_batches
-        self.tick_loop = tick_loop
+        self.micro_batch_loops = micro_batch_loops
         self.remat = remat
         self.schedule = schedule
         self.virtual_stages = virtual_stages

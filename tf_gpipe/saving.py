@@ -19,7 +19,7 @@ __all__: list[str] = []
 # PipelineModel's argument (and attribute) for GPipe's loops over micro-batches. A config
 # that carries it under one of its other names loads too: --tick_loop is the deprecated
 # name of --micro_batch_loops (tf_gpipe.flags), and a file may come from either side of it.
-_LOOPS_ARGUMENT = "tick_loop"
+_LOOPS_ARGUMENT = "micro_batch_loops"
 _LOOPS_NAMES = ("micro_batch_loops", "tick_loop")
 
 

@@ -158,7 +158,7 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         cell_loss_grads=[unit * share for share in weights],
         tracer=model._tracer,
         deferred=deferred,
-        tick_loop=getattr(model, "tick_loop", False),
+        micro_batch_loops=getattr(model, "micro_batch_loops", False),
     )
     loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
     factor = _valid_factor(model, state["valid"], cell_losses) if state["valid"] else None

@@ -16,7 +16,7 @@ on a token embedding, Adam. Three measurements (``--mode``):
   loops over micro-batches (``tf_gpipe.loop``) against the same step built out (one call per
   (stage, micro-batch), as before the loop), alternated A/B in one process.
 
-``--first_builders=built_out,loop`` measures the first step both ways (``tick_loop=True``:
+``--first_builders=built_out,loop`` measures the first step both ways (``micro_batch_loops=True``:
 GPipe with every stage re-materialized, ``remat="always"`` here, and M >= 2).
 
 On a CPU the K stages sit on K logical CPUs (placement, not speed-up); with ``--gpu`` the GPU
@@ -40,7 +40,7 @@ flags.DEFINE_list("mode", ["xla", "first", "accum"], "Measurements to run: xla, 
 flags.DEFINE_list(
     "first_builders", ["built_out", "loop"], "How the first-step rows build GPipe's step: built_out, loop."
 )
-flags.DEFINE_bool("gpipe_loop", False, "Internal (child): PipelineModel(tick_loop=True) (M >= 2).")
+flags.DEFINE_bool("gpipe_loop", False, "Internal (child): PipelineModel(micro_batch_loops=True) (M >= 2).")
 flags.DEFINE_integer("blocks", 8, "Transformer blocks.")
 flags.DEFINE_integer("width", 128, "Model width d.")
 flags.DEFINE_integer("seq", 64, "Sequence length.")
@@ -76,7 +76,7 @@ def _setup_devices(k):
     return [d.name for d in tf.config.list_logical_devices("GPU")][:k]
 
 
-def _model(kind, k=1, m=1, devices=None, remat="always", jit=None, tick_loop=False):
+def _model(kind, k=1, m=1, devices=None, remat="always", jit=None, micro_batch_loops=False):
     """A compiled model on the same seeded layers: "pipe", "seq" or "accum" (plain micro-batching)."""
     import keras
     import numpy as np
@@ -104,7 +104,12 @@ def _model(kind, k=1, m=1, devices=None, remat="always", jit=None, tick_loop=Fal
     layers += [harness.transformer_block(d) for _ in range(FLAGS.blocks)] + [keras.layers.Dense(FLAGS.vocab)]
     if kind == "pipe":
         model = tf_gpipe.PipelineModel(
-            layers, num_stages=k, num_micro_batches=m, devices=devices, remat=remat, tick_loop=tick_loop
+            layers,
+            num_stages=k,
+            num_micro_batches=m,
+            devices=devices,
+            remat=remat,
+            micro_batch_loops=micro_batch_loops,
         )
     else:
         model = (Accumulating if kind == "accum" else keras.Sequential)(layers)
@@ -206,9 +211,11 @@ def measure_loop():
     devices = _setup_devices(K)
     models = {}
     x, y = _data()
-    for name, tick_loop in (("loop", True), ("built out", False)):
+    for name, micro_batch_loops in (("loop", True), ("built out", False)):
         label = f"PipelineModel K={K} M={M} ({name})"
-        models[label] = model = _model("pipe", K, M, devices, remat="always", tick_loop=tick_loop)
+        models[label] = model = _model(
+            "pipe", K, M, devices, remat="always", micro_batch_loops=micro_batch_loops
+        )
         model.train_on_batch(x, y)
     names = list(models)
     models[names[1]].set_weights(models[names[0]].get_weights())
@@ -223,7 +230,7 @@ def main(argv):
         m = int(FLAGS.micro_batches[0])
         devices = _setup_devices(FLAGS.stages)
         looped = FLAGS.gpipe_loop and m > 1
-        model = _model("pipe", FLAGS.stages, m, devices, tick_loop=looped) if m else _model("seq")
+        model = _model("pipe", FLAGS.stages, m, devices, micro_batch_loops=looped) if m else _model("seq")
         x, y = _data()
         start = time.perf_counter()
         model.train_on_batch(x, y)

@@ -74,7 +74,7 @@ def _child(config: str) -> None:
 
         handles.pack = lambda found: handles.Packed([], [])
     looped = builder in ("loop", "loop_unpacked")
-    model = cs._model("pipe", FLAGS.stages, int(m), devices, remat="always", tick_loop=looped)
+    model = cs._model("pipe", FLAGS.stages, int(m), devices, remat="always", micro_batch_loops=looped)
     x, y = cs._data()
     if FLAGS.gc_off:
         gc.disable()

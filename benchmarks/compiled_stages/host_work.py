@@ -37,7 +37,7 @@ flags.DEFINE_string("root", os.path.dirname(os.path.dirname(HERE)), "Checkout wh
 flags.DEFINE_integer("stages", 8, "K.")
 flags.DEFINE_integer("micro_batches", 8, "M.")
 flags.DEFINE_float("forward_ms", 0.05, "Cost of one stage's forward action; backward: twice that.")
-flags.DEFINE_string("micro_batch_loops", "auto", "PipelineModel(tick_loop=...): auto, true or false.")
+flags.DEFINE_string("micro_batch_loops", "auto", "PipelineModel(micro_batch_loops=...): auto, true or false.")
 flags.DEFINE_integer("steps", 7, "Unprofiled steps timed after the profiled one (median reported).")
 flags.DEFINE_integer("top", 12, "Event names listed.")
 
@@ -59,7 +59,7 @@ def main(_):
     work = [sd.SerialWork(s, FLAGS.forward_ms, 2 * FLAGS.forward_ms, name=f"serial_s{s}") for s in range(K)]
     kwargs = {}
     if FLAGS.micro_batch_loops != "auto":  # an engine older than the option takes none
-        kwargs["tick_loop"] = FLAGS.micro_batch_loops == "true"
+        kwargs["micro_batch_loops"] = FLAGS.micro_batch_loops == "true"
     model = tf_gpipe.PipelineModel(
         [keras.layers.InputLayer(shape=(4,))] + work,
         num_stages=K,

@@ -41,7 +41,9 @@ from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 pv.define_candidate_flags()
-flags.DEFINE_enum("micro_batch_loops", "auto", ["auto", "true", "false"], "PipelineModel(tick_loop=...).")
+flags.DEFINE_enum(
+    "micro_batch_loops", "auto", ["auto", "true", "false"], "PipelineModel(micro_batch_loops=...)."
+)
 flags.DEFINE_string("cache_dir", "/tmp/tf_gpipe_plan_probe", "Where the profile is kept (probe.py's).")
 flags.DEFINE_string("worker_cluster", "", "Internal: run as a worker of this cluster (JSON).")
 flags.DEFINE_integer("worker_task", -1, "Internal: the worker's task index.")
@@ -179,7 +181,7 @@ def _measure() -> None:
         y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
         base = [r["current"] for r in workers.ask("reset")]
         loops = {"auto": "auto", "true": True, "false": False}[FLAGS.micro_batch_loops]
-        model = tf_gpipe.PipelineModel(layers, plan=p, tick_loop=loops)
+        model = tf_gpipe.PipelineModel(layers, plan=p, micro_batch_loops=loops)
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)  # fmt: skip
         for _ in range(2):

@@ -5,7 +5,7 @@ Bidirectional(LSTM(64, return_sequences=True)) -> Bidirectional(LSTM(64)) -> Den
 sigmoid), sequences of ``--maxlen`` tokens, batches of ``--batch`` (synthetic data). In one
 process, alternated round by round: ``keras.Sequential`` (Keras' default ``jit_compile``),
 plain Keras summing gradients over the same M micro-batches (what a user would otherwise
-run), and ``PipelineModel(K, M)`` per remat mode (``tick_loop`` as given). Prints the median
+run), and ``PipelineModel(K, M)`` per remat mode (``micro_batch_loops`` as given). Prints the median
 step, its ratio to Sequential, and, from one profiled step per variant, the ops executed,
 the matmuls among them and the cross-device transfers. Results: benchmarks/recurrent/README.md.
 """
@@ -31,7 +31,7 @@ flags.DEFINE_integer("rounds", 5, "Alternated rounds; one step per variant per r
 flags.DEFINE_list(
     "pipelines",
     ["always", "always:built_out", "except_last", "never"],
-    "PipelineModel variants, '<remat>' or '<remat>:built_out' (tick_loop=False).",
+    "PipelineModel variants, '<remat>' or '<remat>:built_out' (micro_batch_loops=False).",
 )
 flags.DEFINE_enum(
     "jit_compile", "auto", ["auto", "true", "false"], "compile(jit_compile=...) for every variant."
@@ -97,10 +97,10 @@ def main(argv):
     models[f"plain Keras, {M} micro-batches"] = harness.micro_batched_sequential(layers(), M)
     for spec in FLAGS.pipelines:
         remat, _, engine = spec.partition(":")
-        tick_loop = False if engine == "built_out" else "auto"
+        micro_batch_loops = False if engine == "built_out" else "auto"
         name = f"PipelineModel remat={remat}" + (" (built out)" if engine == "built_out" else "")
         models[name] = tf_gpipe.PipelineModel(
-            layers(), num_stages=K, num_micro_batches=M, remat=remat, tick_loop=tick_loop
+            layers(), num_stages=K, num_micro_batches=M, remat=remat, micro_batch_loops=micro_batch_loops
         )
     for model in models.values():
         jit = {"auto": "auto", "true": True, "false": False}[FLAGS.jit_compile]

@@ -34,7 +34,7 @@ flags.DEFINE_enum(
     "micro_batch_loops",
     "auto",
     ["auto", "true", "false"],
-    "PipelineModel(tick_loop=...) for GPipe with remat=always: 'auto' (the library's default: "
+    "PipelineModel(micro_batch_loops=...) for GPipe with remat=always: 'auto' (the library's default: "
     "loops over micro-batches on CPUs), 'true' (the loops), 'false' (built out).",
 )
 flags.DEFINE_integer("virtual_stages", 2, "v for the interleaved schedule.")
@@ -155,7 +155,7 @@ def child() -> None:
             remat=remat,
             schedule=name,
             virtual_stages=v,
-            tick_loop={"auto": "auto", "true": name == "gpipe" and remat == "always", "false": False}[
+            micro_batch_loops={"auto": "auto", "true": name == "gpipe" and remat == "always", "false": False}[
                 FLAGS.micro_batch_loops
             ],
         )
