@@ -1,0 +1,247 @@
+r"""The whole accelerator check in one call: suite, examples, XLA parity, first step,
+4 logical devices and where the optimizer update runs.
+
+A machine with a GPU is lent for a short time and only now and then: this script runs
+every check that needs one, each in its own process (logical devices must be set up
+before TensorFlow starts), and prints one table. On a machine without a GPU it runs
+the same checks on logical CPUs, which tests the script, not the GPU.
+
+    python benchmarks/gpu_check.py                  # everything (the suite takes ~6 min)
+    python benchmarks/gpu_check.py --skip=suite     # the rest (~2 min)
+
+Checks:
+- ``suite``: ``pytest -q -n 2 tests`` (the README's test command), pass/fail counts;
+- ``example``: ``examples/train_classifier.py`` for 2 epochs on the real devices;
+- ``xla``: a 4-stage ``PipelineModel`` compiled with ``jit_compile=True`` (XLA stage by
+  stage) against ``keras.Sequential`` compiled with XLA, same weights, 3 Adam steps,
+  inside ``tf_gpipe.exact_float32()``: largest weight difference (ok below 1e-4);
+- ``first_step``: trace + compile + first run of a K=4 Transformer-block stack for
+  M in {1, 8, 32}, and ``keras.Sequential``'s (XLA where Keras would use it); ok when
+  M=32 takes at most 1.3x M=1 (the target of the one-engine work, met today only by GPipe's
+  loops over micro-batches on CPU stages);
+- ``logical4``: device 0 split into 4 logical devices, stages 0-3 on them, Adam: the
+  step's partition graphs must hold no optimizer op outside the stages' devices, and
+  an update (an assign) on each of devices 1-3; the median step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import harness  # also puts the repo root on sys.path
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("skip", [], "Checks to leave out: suite, example, xla, first_step, logical4.")
+flags.DEFINE_string("child", "", "Internal: run this one check in this process and print its JSON.")
+flags.DEFINE_integer("timeout", 900, "Seconds each check may take.")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKS = ("suite", "example", "xla", "first_step", "logical4")
+
+
+# ---------------------------------------------------------------------------- in a child process
+def _kind_and_devices(split: int = 0):
+    """('GPU' or 'CPU', device names); ``split`` > 0 first cuts device 0 into that many."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    kind = "GPU" if gpus else "CPU"
+    physical = gpus[0] if gpus else tf.config.list_physical_devices("CPU")[0]
+    if split:
+        memory = {"memory_limit": 4096} if gpus else {}
+        tf.config.set_logical_device_configuration(
+            physical, [tf.config.LogicalDeviceConfiguration(**memory) for _ in range(split)]
+        )
+    elif not gpus:
+        tf.config.set_logical_device_configuration(
+            physical, [tf.config.LogicalDeviceConfiguration() for _ in range(4)]
+        )
+    return kind, [d.name for d in tf.config.list_logical_devices(kind)]
+
+
+def _mlp(seed=0, width=256, depth=7):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return [keras.layers.Dense(width, activation="relu") for _ in range(depth)] + [keras.layers.Dense(10)]
+
+
+def _xla() -> dict:
+    import keras
+    import numpy as np
+
+    import tf_gpipe
+
+    kind, devices = _kind_and_devices()
+    x = np.random.RandomState(0).randn(96, 64).astype("float32")
+    y = np.random.RandomState(1).randint(0, 10, 96)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with tf_gpipe.exact_float32():
+        seq = keras.Sequential([keras.Input((64,)), *_mlp()])
+        pm = tf_gpipe.PipelineModel(_mlp(), devices=devices[:4], num_micro_batches=4)
+        pm.build((None, 64))
+        pm.set_weights(seq.get_weights())
+        seq.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=True)
+        pm.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=True)
+        for _ in range(3):
+            seq.train_on_batch(x, y)
+            pm.train_on_batch(x, y)
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(pm.get_weights(), seq.get_weights()))
+    return {
+        "kind": kind,
+        "stage_jit": list(map(str, pm.stage_jit)),
+        "max_weight_diff": diff,
+        "ok": diff < 1e-4,
+    }
+
+
+def _first_step() -> dict:
+    import keras
+    import numpy as np
+
+    import tf_gpipe
+
+    kind, devices = _kind_and_devices()
+    x = np.random.RandomState(0).randint(0, 500, (64, 32)).astype("int32")
+    y = np.random.RandomState(1).randint(0, 500, (64, 32))
+
+    def layers():
+        keras.utils.set_random_seed(0)
+        return (
+            [keras.layers.Embedding(500, 64)]
+            + [harness.transformer_block(64) for _ in range(4)]
+            + [keras.layers.Dense(500)]
+        )
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    times = {}
+    for m in (1, 1, 8, 32):  # the first M=1 also pays the process' one-time costs: not kept
+        model = tf_gpipe.PipelineModel(layers(), devices=devices[:4], num_micro_batches=m)
+        model.compile(optimizer="adam", loss=loss)
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        times[f"M={m}"] = round(time.perf_counter() - start, 2)
+    seq = keras.Sequential([keras.Input((32,), dtype="int32"), *layers()])
+    seq.compile(optimizer="adam", loss=loss)  # jit_compile="auto", as a user would
+    start = time.perf_counter()
+    seq.train_on_batch(x, y)
+    times["keras.Sequential"] = round(time.perf_counter() - start, 2)
+    ratio = times["M=32"] / times["M=1"]
+    return {"kind": kind, "seconds": times, "M32_over_M1": round(ratio, 2), "ok": ratio <= 1.3}
+
+
+def _short(device: str) -> str:
+    """``GPU:1`` for any spelling of a device name."""
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.device_type}:{spec.device_index}"
+
+
+def _logical4() -> dict:
+    import collections
+
+    import keras
+    import numpy as np
+    from tensorflow.python.eager import context
+
+    import tf_gpipe
+
+    kind, devices = _kind_and_devices(split=4)
+    pm = tf_gpipe.PipelineModel(_mlp(width=512), devices=devices[:4], num_micro_batches=4)
+    pm.compile(optimizer=keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x = np.random.RandomState(0).randn(256, 64).astype("float32")
+    y = np.random.RandomState(1).randint(0, 10, 256)
+    context.enable_run_metadata()
+    pm.train_on_batch(x, y)
+    metadata = context.export_run_metadata()
+    context.disable_run_metadata()
+    ops = collections.defaultdict(list)
+    for graph in metadata.function_graphs:
+        for partition in graph.partition_graphs:
+            for node in partition.node:
+                if pm.optimizer.name in node.name.split("/"):
+                    ops[node.device].append(node.op)
+    stage_devices = [_short(d) for d in devices[:4]]
+    outside = {d: len(o) for d, o in ops.items() if _short(d) not in stage_devices}
+    updated = [
+        d
+        for d in stage_devices[1:]
+        if any(_short(k) == d and any(op.startswith("Assign") for op in o) for k, o in ops.items())
+    ]
+    steps = []
+    for _ in range(7):
+        start = time.perf_counter()
+        pm.train_on_batch(x, y)
+        steps.append(time.perf_counter() - start)
+    return {
+        "kind": kind,
+        "devices": devices[:4],
+        "optimizer_ops_per_device": {d: len(o) for d, o in sorted(ops.items())},
+        "outside_stage_devices": outside,
+        "devices_1_3_with_an_update": updated,
+        "median_step_ms": round(1000 * sorted(steps)[3], 2),
+        "ok": not outside and len(updated) == 3,
+    }
+
+
+# ---------------------------------------------------------------------------- the parent
+def _run(cmd: list[str]) -> tuple[int, str, float]:
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=FLAGS.timeout)
+        return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
+    except subprocess.TimeoutExpired as e:
+        return 124, f"timed out after {FLAGS.timeout} s: {e}", time.perf_counter() - start
+
+
+def _check(name: str) -> dict:
+    if name == "suite":
+        rc, out, s = _run([sys.executable, "-m", "pytest", "-q", "-n", "2", "tests"])
+        counts = re.findall(r"(\d+) (passed|failed|error)", out)
+        return {"ok": rc == 0, "result": " ".join(f"{n} {w}" for n, w in counts) or out[-300:], "seconds": s}
+    if name == "example":
+        script = os.path.join("examples", "train_classifier.py")
+        rc, out, s = _run([sys.executable, script, "--virtual_cpus=0", "--epochs=2", "--verbose=0"])
+        summary = [line for line in out.splitlines() if line.startswith("SUMMARY ")]
+        return {
+            "ok": rc == 0 and bool(summary),
+            "result": summary[-1][8:] if summary else out[-300:],
+            "seconds": s,
+        }
+    rc, out, s = _run([sys.executable, os.path.abspath(__file__), f"--child={name}"])
+    found = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if rc or not found:
+        return {"ok": False, "result": out[-600:], "seconds": s}
+    result = json.loads(found[-1][len("RESULT ") :])
+    return {"ok": result.pop("ok"), "result": json.dumps(result), "seconds": s}
+
+
+def main(argv):
+    del argv
+    if FLAGS.child:
+        result = {"xla": _xla, "first_step": _first_step, "logical4": _logical4}[FLAGS.child]()
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    harness.header("tf_gpipe accelerator check")
+    rows = []
+    for name in CHECKS:
+        if name in FLAGS.skip:
+            continue
+        got = _check(name)
+        rows.append([name, "ok" if got["ok"] else "FAILED", f"{got['seconds']:.0f}", got["result"]])
+        print(f"{name}: {rows[-1][1]} ({rows[-1][2]} s) {got['result']}", flush=True)
+    harness.print_table(["check", "status", "seconds", "result"], rows)
+    sys.exit(0 if all(r[1] == "ok" for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    app.run(main)
