@@ -90,15 +90,11 @@ class PipelineModel(keras.Model):
             same micro-batches as the main input, and a layer receives it as a
             keyword argument when its ``call`` has a parameter of that name. Side
             inputs are not differentiated.
-        micro_batch_loops: build ``fit``'s step as two loops over micro-batches (``tf_gpipe.loop``):
-            2K stage-function call sites whatever M, so the first step stops growing with M
-            (figures: docs/api.md, benchmarks/compiled_stages/README.md). It applies to
-            ``schedule="gpipe"``, ``remat="always"``, M >= 2, dense inputs and no timeline
-            recorder; other steps are built out (one call per stage and micro-batch).
-            ``"auto"`` (the default) builds the loops where they apply and every stage is on
-            a CPU; ``True`` on any device (on GPUs they are unmeasured, and the variable
-            handles cannot be packed: ``tf_gpipe.handles``); ``False`` never. The
-            deprecated ``tick_loop=`` is the same argument.
+        micro_batch_loops: build ``fit``'s step as two loops over micro-batches
+            (``tf_gpipe.loop``), so the first step stops growing with M (docs/api.md). For
+            ``schedule="gpipe"``, ``remat="always"``, M >= 2, dense inputs, no timeline.
+            ``"auto"`` (the default): where they apply and every stage is on a CPU; ``True``:
+            on any device; ``False``: never. ``tick_loop=`` is its deprecated name.
         plan: a ``tf_gpipe.plan(...)`` result: sets ``num_stages``, ``balance``,
             ``num_micro_batches``, ``remat``, ``schedule``, ``virtual_stages`` and
             ``devices``; any of these also given must agree with it.
