@@ -108,7 +108,7 @@ def test_transformer_with_dict_inputs_and_outputs(schedule):
 def test_skip_connection_is_carried_and_stages_placed(cpu_devices):
     model = transformer_like()
     pm = tf_gpipe.PipelineModel.from_model(model, num_stages=4, balance="params")
-    assert sum(pm._node_balance) == len(graph_nodes(model))
+    assert sum(pm.balance) == len(graph_nodes(model))
     for cell in pm.cells:
         for v in cell.layers[0].weights:
             assert v.value.device.endswith(cell.device.replace("/device:", "device:"))
@@ -195,7 +195,7 @@ def test_save_and_load_a_split_functional_model(tmp_path):
     pm.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert_all_close([pm.predict(x, verbose=0)], [loaded.predict(x, verbose=0)])
-    assert loaded._node_balance == pm._node_balance
+    assert loaded.balance == pm.balance
 
 
 def test_not_a_functional_model():
@@ -222,7 +222,7 @@ def test_from_model_balances_by_every_method():
     for method in ("params", "memory", "time"):
         pm = tf_gpipe.PipelineModel.from_model(model, num_stages=2, balance=method, num_micro_batches=2)
         # An even split by node count would be [6, 6]: the cut moves toward the head.
-        assert sum(pm._node_balance) == n and pm._node_balance[1] <= n // 2 - 2, (method, pm._node_balance)
+        assert sum(pm.balance) == n and pm.balance[1] <= n // 2 - 2, (method, pm.balance)
         assert_all_close([ref(x)], [pm(x)])
     with pytest.raises(ValueError, match="'flops'"):
         tf_gpipe.PipelineModel.from_model(model, num_stages=2, balance="flops")

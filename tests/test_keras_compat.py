@@ -143,6 +143,13 @@ def test_backing_variable_is_the_tf_variable(cpu_devices):
     np.testing.assert_array_equal(v.numpy(), [1.0, 2.0, 3.0], err_msg=VERSION)
 
 
+def test_variable_device_is_where_the_tf_variable_lives(cpu_devices):
+    with tf.device(cpu_devices[2]):
+        v = keras.Variable(np.zeros(3, "float32"))
+    assert keras_compat.variable_device(v).endswith("CPU:2"), VERSION
+    assert keras_compat.variable_device(keras_compat.backing_variable(v)).endswith("CPU:2"), VERSION
+
+
 def test_set_backing_variable_moves_the_variable(cpu_devices):
     v = keras.Variable(np.zeros(3, "float32"))
     with tf.device(cpu_devices[2]):

@@ -68,7 +68,6 @@ def from_model(
     # Where the model was cut, in its own unit: nodes (layer calls) per stage, not the
     # one GraphStage per cell the pipeline runs.
     instance.balance = list(node_balance)
-    instance._node_balance = list(node_balance)
     instance._build_cells(structure.spec_from(spec))
     return instance
 

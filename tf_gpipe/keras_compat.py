@@ -155,6 +155,13 @@ def backing_variable(variable: Any) -> Any:
     return _attribute(variable, "_value", _PLACEMENT)
 
 
+def variable_device(variable: Any) -> str | None:
+    """The device a Keras variable's ``tf.Variable`` (or a ``tf.Variable``) lives on; None
+    before it exists. Uses ``backing_variable``."""
+    raw = backing_variable(variable) if isinstance(variable, keras.Variable) else variable
+    return getattr(raw, "device", None) or None
+
+
 def set_backing_variable(variable: Any, value: Any) -> None:
     """Put ``value`` (a ``tf.Variable``) behind the Keras ``variable``: moves it to a device.
     Uses ``Variable._value``; nothing may have captured the old backing variable yet."""
@@ -176,12 +183,7 @@ def colocate_optimizer_slots(optimizer: Any) -> None:
     )
 
     def add_variable_from_reference(reference_variable, *args, **kwargs):
-        raw = (
-            backing_variable(reference_variable)
-            if isinstance(reference_variable, keras.Variable)
-            else reference_variable
-        )
-        with tf.device(getattr(raw, "device", None) or None):
+        with tf.device(variable_device(reference_variable)):
             return original(reference_variable, *args, **kwargs)
 
     optimizer.add_variable_from_reference = add_variable_from_reference
@@ -199,8 +201,7 @@ def update_on_variable_device(optimizer: Any) -> None:
     original = _attribute(optimizer, "update_step", "run each variable's update on its device")
 
     def update_step(gradient, variable, learning_rate):
-        raw = backing_variable(variable) if isinstance(variable, keras.Variable) else variable
-        with tf.device(getattr(raw, "device", None) or None):
+        with tf.device(variable_device(variable)):
             return original(gradient, variable, learning_rate)
 
     optimizer.update_step = update_step

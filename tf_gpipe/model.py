@@ -225,7 +225,6 @@ class PipelineModel(keras.Model):
         self._num_devices = num_stages
         self._tracer = None
         self._source_model = None  # set by from_model
-        self._node_balance: list[int] | None = None
         # XLA over the whole model would fuse every stage into one cluster on one device:
         # compile(jit_compile=...) compiles stage by stage instead (stage_jit).
         self.supports_jit = False

@@ -66,7 +66,7 @@ def get_config(model: Any) -> dict:
     }
     if model._source_model is not None:  # from_model: the graph and where it was cut
         config["source_model"] = keras.saving.serialize_keras_object(model._source_model)
-        config["node_balance"] = list(model._node_balance)
+        config["node_balance"] = list(model.balance)  # nodes per stage (from_model)
         config["num_stages"] = model.num_stages
     else:
         config["layers"] = [keras.saving.serialize_keras_object(layer) for layer in model.stage_layers]

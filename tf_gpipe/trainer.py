@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, microbatch, schedules, structure, update
+from tf_gpipe import keras_compat, microbatch, ordering, schedules, structure, update
 from tf_gpipe.executor import accumulate, run_schedule
 
 __all__: list[str] = []
@@ -196,9 +196,7 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
                 total = accumulate(total, g)
         final.append(total)
     if custom:  # nothing leaves this step (no update) unless the split loss was exact
-        with tf.control_dependencies([check]):
-            final = [_identity(g) for g in final]
-            loss = tf.identity(loss)
+        final, loss = ordering.after([check], (final, loss))
     return Gradients(final, loss, y_pred, batch_size)
 
 
@@ -243,14 +241,6 @@ def _checked(model: Any, micro: list[tf.Tensor], x, y, y_pred, sample_weight) ->
             "whole mini-batch.",
         ],
     )
-
-
-def _identity(g):
-    if g is None:
-        return None
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape)
-    return tf.identity(g)
 
 
 def _whole_batch_loss(model: Any, loss_model: Any, x, y, y_pred, sample_weight):

@@ -61,7 +61,7 @@ def place_optimizer(optimizer: Any, home: str) -> None:
     keras_compat.skip_default_all_reduce(optimizer)
     move_variables(keras_compat.optimizer_own_variables(optimizer), home)
     for slot, variable in keras_compat.factored_slots(optimizer):
-        move_variables([slot], keras_compat.backing_variable(variable).device)
+        move_variables([slot], keras_compat.variable_device(variable) or "")
     place_optimizer(getattr(optimizer, "inner_optimizer", None), home)
 
 
@@ -75,7 +75,7 @@ def apply(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> Non
     # reads it: the update starts once every gradient is done.
     done = [t for g in grads if g is not None for t in tf.nest.flatten(g, expand_composites=True)]
     own = keras_compat.optimizer_own_variables(optimizer)
-    home = keras_compat.backing_variable(own[0]).device if own else ""
+    home = (keras_compat.variable_device(own[0]) if own else None) or ""
     with tf.control_dependencies(done), tf.compat.v1.device(_BesideInputs(home)):
         optimizer.apply_gradients(zip(grads, variables))
 

@@ -229,8 +229,7 @@ class _StageAllReduce:
 
 
 def _device_of(variable: Any) -> str:
-    raw = keras_compat.backing_variable(variable) if isinstance(variable, keras.Variable) else variable
-    return tf.DeviceSpec.from_string(raw.device).to_string()
+    return tf.DeviceSpec.from_string(keras_compat.variable_device(variable) or "").to_string()
 
 
 def _dense(grad: Any) -> Any:
