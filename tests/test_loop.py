@@ -13,7 +13,7 @@ from test_side_inputs import _inputs as side_data
 from test_side_inputs import _layers as side_layers
 
 import tf_gpipe
-from tf_gpipe import loop
+from tf_gpipe import loop, micro_batch_loop
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CALLS = ("StatefulPartitionedCall", "PartitionedCall")
@@ -176,10 +176,10 @@ def test_each_stage_call_waits_for_its_previous_call():
     assert checked == 2 * 2  # two stages, two loops
 
 
-def _uses_loop(monkeypatch, **options):
+def _uses_loop(monkeypatch, module=loop, **options):
     calls = []
-    original = loop.run
-    monkeypatch.setattr(loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = module.run
+    monkeypatch.setattr(module, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
     pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), **{"num_stages": 2, "num_micro_batches": 4, **options})
     pm.compile(optimizer="sgd", loss=LOSS)
     x = np.random.RandomState(0).rand(8, 8).astype("float32")
@@ -200,14 +200,24 @@ def test_the_default_loops_on_cpus(cpu_devices, monkeypatch):
         dict(micro_batch_loops=False),
         dict(micro_batch_loops=True, num_micro_batches=1),
         dict(num_micro_batches=1),
-        dict(schedule="1f1b"),
         dict(remat="except_last"),
+        dict(schedule="1f1b", micro_batch_loops=False),
+        dict(schedule="1f1b", num_micro_batches=1),
     ],
 )
 def test_other_steps_are_built_out(kwargs, monkeypatch):
-    """With ``micro_batch_loops=False``, at M=1 (nothing to loop over), and for another schedule or
-    remat mode, the executor builds every action."""
+    """With ``micro_batch_loops=False``, at M=1 (nothing to loop over), and for GPipe with
+    another remat mode, the executor builds every action."""
     assert not _uses_loop(monkeypatch, **kwargs)
+    assert not _uses_loop(monkeypatch, micro_batch_loop, **kwargs)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_per_micro_batch_schedules_loop_by_default(schedule, remat, monkeypatch):
+    """Every schedule whose loss is per micro-batch, with any remat mode, is one loop over
+    micro-batches by default on CPUs (``tf_gpipe.micro_batch_loop``)."""
+    assert _uses_loop(monkeypatch, micro_batch_loop, schedule=schedule, remat=remat)
 
 
 def test_auto_keeps_gpu_stages_built_out():
@@ -226,8 +236,8 @@ def test_auto_keeps_gpu_stages_built_out():
     assert loop.chosen(True, [gpu]) and not loop.chosen(False, [cpu])
 
 
-@pytest.mark.parametrize("kwargs", [dict(schedule="1f1b"), dict(remat="never"), dict(remat="except_last")])
-def test_micro_batch_loops_refuses_other_schedules_and_remat_modes(kwargs):
+@pytest.mark.parametrize("kwargs", [dict(remat="never"), dict(remat="except_last")])
+def test_micro_batch_loops_refuses_gpipe_with_other_remat_modes(kwargs):
     with pytest.raises(ValueError, match="micro_batch_loops=True builds GPipe's step with every stage"):
         tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, micro_batch_loops=True, **kwargs)
 

@@ -171,7 +171,9 @@ def test_every_stage_call_output_is_read_as_data(schedule):
         keras.layers.Dense(6, activation="tanh"),
         keras.layers.Dense(3),
     ]
-    pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=3, schedule=schedule)
+    pm = tf_gpipe.PipelineModel(
+        layers, num_stages=2, num_micro_batches=3, schedule=schedule, micro_batch_loops=False
+    )
     pm.compile(optimizer="sgd", loss=LOSS)
     graph = _step_graph(pm, tf.TensorSpec([None, 5], tf.int32))
     calls = [n for n in graph.node if "_body" in n.attr["f"].func.name]

@@ -25,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import loop, ordering, remat, replay, sparse, stage
+from tf_gpipe import loop, micro_batch_loop, ordering, remat, replay, sparse, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
@@ -35,7 +35,7 @@ __all__: list[str] = []
 # is done (fill-drain only), or a loss per micro-batch right after its last forward.
 # Both get the Keras masks of the outputs too: a loss over padded sequences needs them.
 BatchLossFn = Callable[[list[Any], list[Any]], list[list[tf.Tensor | None]]]
-MicroLossFn = Callable[[int, Any, Any], list[tf.Tensor | None]]
+MicroLossFn = micro_batch_loop.MicroLossFn
 
 
 def accumulate(total, g):
@@ -83,7 +83,8 @@ def run_schedule(
     tracer: Any = None,
     deferred: Any = None,
     micro_batch_loops: bool | str = False,
-) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]]]:
+    targets: Sequence[Any] | None = None,
+) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]], list[list[Any]]]:
     """Build one training step of ``schedule`` over ``cells``.
 
     Args:
@@ -94,18 +95,22 @@ def run_schedule(
         sides: per micro-batch, the side inputs every stage may read (or None).
         batch_loss: given the last stage's outputs of every micro-batch and their
             masks, the loss gradient for each (fill-drain schedules only).
-        micro_loss: given ``(m, outputs_m, mask_m)``, the loss gradient for micro-batch ``m``.
+        micro_loss: given ``(outputs_m, mask_m, targets[m])``, the loss gradients for
+            micro-batch ``m`` and the terms (loss values) to sum over micro-batches.
         cell_loss_grads: per micro-batch, d(loss)/d(each loss a layer added in it).
         tracer: optional ``tf_gpipe.timeline.Recorder`` that marks each span.
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
-        micro_batch_loops: build GPipe with every stage re-materialized as ``tf_gpipe.loop``'s
-            loops over micro-batches where it applies: True, False, or "auto" (where every
-            stage is on a CPU; ``loop.chosen``).
+        micro_batch_loops: build the step as loops over micro-batches where they apply
+            (``tf_gpipe.loop`` for GPipe with every stage re-materialized,
+            ``tf_gpipe.micro_batch_loop`` for a per-micro-batch loss): True, False, or
+            "auto" (where every stage is on a CPU; ``loop.chosen``).
+        targets: per micro-batch, what ``micro_loss`` reads besides the outputs.
 
     Returns:
         ``(outputs per micro-batch, their Keras masks (None where unmasked),
-        {id(variable): summed gradient}, losses the layers added, per micro-batch)``.
+        {id(variable): summed gradient}, losses the layers added, per micro-batch,
+        the loss terms: per micro-batch, or summed over them as one row)``.
     """
     S, M = len(cells), len(split)
     if schedule.num_virtual_stages != S or schedule.num_micro_batches != M:
@@ -119,7 +124,16 @@ def run_schedule(
         and loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer)
     ):
         # GPipe with every stage re-materialized: 2K call sites, not O(K x M).
-        return loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
+        got = loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
+        return (*got, [])
+    if (
+        micro_batch_loops
+        and micro_loss is not None
+        and loop.chosen(micro_batch_loops, cells)
+        and micro_batch_loop.applies(schedule, cells, split, masks, sides, targets, tracer)
+    ):
+        loss = (targets, micro_loss, cell_loss_grads)
+        return micro_batch_loop.run(schedule, cells, split, masks, rematerializes, sides, *loss, deferred)  # type: ignore[arg-type]
     records: dict[tuple[int, int], replay.Record] = {}
     grads_in: dict[tuple[int, int], list[tf.Tensor | None]] = {}
     outputs: list[Any] = [None] * M
@@ -130,6 +144,7 @@ def run_schedule(
     summed: dict[int, tf.Tensor] = {}  # stage -> token of its latest addition to its gradient sums
     last: dict[int, list[tf.Tensor]] = {}  # device -> what its previous action produced
     cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
+    terms: list[list[Any]] = []
     # Split schedules: (record, output gradients, loss gradients) from each B, kept for its W.
     halves = bool(getattr(schedule, "split_backward", False))
     weights_due: dict[tuple[int, int], tuple[replay.Record, Any, list[Any]]] = {}
@@ -171,7 +186,9 @@ def run_schedule(
                 outputs[m], out_masks[m] = rec.outputs, rec.out_mask
                 if micro_loss is not None:
                     with tf.device(cell.device), tf.name_scope(f"loss_mb{m}"):
-                        grads_in[(s, m)] = micro_loss(m, rec.outputs, rec.out_mask)
+                        target = None if targets is None else targets[m]
+                        grads_in[(s, m)], row = micro_loss(rec.outputs, rec.out_mask, target)
+                        terms.append(row)
         else:  # "B" (the full backward, or its input half when split) or "W"
             if action.kind == "B":
                 if (s, m) not in grads_in:
@@ -240,4 +257,4 @@ def run_schedule(
                     totals[id(v)] = sparse.combine(rows[id(v)], id(v) in free)
     for s, token in summed.items():
         totals.update(stage.functions(cells[s]).sums.read(token))
-    return outputs, out_masks, totals, cell_losses
+    return outputs, out_masks, totals, cell_losses, terms

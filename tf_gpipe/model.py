@@ -90,11 +90,11 @@ class PipelineModel(keras.Model):
             same micro-batches as the main input, and a layer receives it as a
             keyword argument when its ``call`` has a parameter of that name. Side
             inputs are not differentiated.
-        micro_batch_loops: build ``fit``'s step as two loops over micro-batches
-            (``tf_gpipe.loop``), so the first step stops growing with M (docs/api.md). For
-            ``schedule="gpipe"``, ``remat="always"``, M >= 2, dense inputs, no timeline.
-            ``"auto"`` (the default): where they apply and every stage is on a CPU; ``True``:
-            on any device; ``False``: never. ``tick_loop=`` is its deprecated name.
+        micro_batch_loops: build ``fit``'s step as loops over micro-batches, so the first
+            step stops growing with M (docs/api.md): for ``"gpipe"`` with ``remat="always"``,
+            and for the other schedules with any ``remat``; M >= 2, dense inputs, no
+            timeline. ``"auto"`` (the default): where they apply and every stage is on a
+            CPU; ``True``: on any device; ``False``: never. ``tick_loop=`` is its deprecated name.
         plan: a ``tf_gpipe.plan(...)`` result: sets ``num_stages``, ``balance``,
             ``num_micro_batches``, ``remat``, ``schedule``, ``virtual_stages`` and
             ``devices``; any of these also given must agree with it.
@@ -168,11 +168,11 @@ class PipelineModel(keras.Model):
             raise ValueError(
                 f"tf_gpipe: micro_batch_loops must be True, False or 'auto', got {micro_batch_loops!r}."
             )
-        if micro_batch_loops is True and (schedule != "gpipe" or remat != "always"):
+        if micro_batch_loops is True and schedule == "gpipe" and remat != "always":
             raise ValueError(
-                f"tf_gpipe: micro_batch_loops=True builds GPipe's step with every stage re-materialized; "
-                f"got schedule={schedule!r}, remat={remat!r}. Use schedule='gpipe', remat='always', "
-                "or micro_batch_loops='auto' (the loops where they apply) or False."
+                "tf_gpipe: micro_batch_loops=True builds GPipe's step with every stage re-materialized "
+                f"(its loss needs every forward first); got remat={remat!r}. Use remat='always', "
+                "another schedule, or micro_batch_loops='auto' (the loops where they apply) or False."
             )
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")

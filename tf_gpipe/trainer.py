@@ -112,8 +112,8 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         it = iter(got[: len(watched)])
         return [[next(it) if structure.is_float(t) else None for t in f] for f in flat]
 
-    def micro_loss(m, out, mask):
-        _, y_m, sw_m, _, x_m = joint.chunks[m]
+    def micro_loss(out, mask, target):
+        y_m, sw_m, x_m, n_m, share_m, nonempty = target
         flat = tf.nest.flatten(out)
         watched = [t for t in flat if structure.is_float(t)]
         with tf.GradientTape() as tape:
@@ -121,22 +121,16 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
             # ``out`` still carries its Keras mask (set by its last layer): the loss sees it.
             if custom:
                 value = keras_compat.model_compute_loss(model, x_m, y_m, out, sw_m, training=True)
-                value, valid = value * tf.cast(weights[m], value.dtype), None
+                value, valid = value * tf.cast(share_m, value.dtype), None
             else:
-                value, valid = _micro_batch_loss(
-                    model, loss_model, y_m, out, mask, sw_m, joint.sizes[m], batch_size
-                )
+                value, valid = _micro_batch_loss(model, loss_model, y_m, out, mask, sw_m, n_m, batch_size)
             if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
                 value = tf.reduce_sum(value)
-            nonempty = joint.nonempty(m)
             if nonempty is not None:  # a padded micro-batch's loss is not part of the batch's
                 value = tf.where(nonempty, value, tf.zeros_like(value))
                 if valid is not None:  # nor are its stand-in example's valid positions
                     valid = tf.where(nonempty, valid, tf.zeros_like(valid))
             scaled = value if opt is None else opt.scale_loss(value)
-        state["loss"].append(value)
-        if valid is not None:
-            state["valid"].append(valid)
         # An override may read the weights directly (the regularization losses Keras'
         # compute_loss adds): those gradients are summed over the micro-batches here.
         sources = watched + (list(trainable) if custom else [])
@@ -144,9 +138,14 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         if custom:
             state["direct"] = [accumulate(a, g) for a, g in zip(state["direct"], got[len(watched) :])]
         it = iter(got[: len(watched)])
-        return [next(it) if structure.is_float(t) else None for t in flat]
+        return [next(it) if structure.is_float(t) else None for t in flat], [value, valid]
 
-    outs, out_masks, totals, cell_losses = run_schedule(
+    # What each micro-batch's loss reads besides the outputs (``micro_loss``).
+    targets = [
+        (y_m, sw_m, x_m, tf.convert_to_tensor(n_m), share, joint.nonempty(m))
+        for m, ((_, y_m, sw_m, _, x_m), n_m, share) in enumerate(zip(joint.chunks, joint.sizes, weights))
+    ]
+    outs, out_masks, totals, cell_losses, terms = run_schedule(
         plan,
         model._pipeline.cells,
         xs,
@@ -158,8 +157,12 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         cell_loss_grads=[unit * share for share in weights],
         tracer=model._tracer,
         deferred=deferred,
-        micro_batch_loops=getattr(model, "micro_batch_loops", False),
+        # An override's gradients w.r.t. the weights are summed beside the loops (``direct``).
+        micro_batch_loops=False if custom else getattr(model, "micro_batch_loops", False),
+        targets=targets,
     )
+    state["loss"] += [row[0] for row in terms]
+    state["valid"] += [row[1] for row in terms if row[1] is not None]
     loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
     factor = _valid_factor(model, state["valid"], cell_losses) if state["valid"] else None
     if factor is not None:
