@@ -94,9 +94,24 @@ def replaced(by_id: dict[int, tf.Tensor]) -> Iterator[None]:
         table.update(saved)
 
 
+@contextlib.contextmanager
+def collected() -> Iterator[list[tf.Tensor]]:
+    """Within this scope ``call`` adds the handles each call captures to the list it yields."""
+    saved = getattr(_local, "found", None)
+    _local.found = found = []
+    try:
+        yield found
+    finally:
+        _local.found = saved
+
+
 def call(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` (``fn`` a ``tf.function``), with the captured handles ``replaced`` names."""
     table = _replacements()
+    found = getattr(_local, "found", None)
+    if found is not None and hasattr(fn, "get_concrete_function"):
+        known = {id(h) for h in found}
+        found.extend(h for h in captured(fn.get_concrete_function(*args)) if id(h) not in known)
     if not table or not hasattr(fn, "get_concrete_function"):
         return fn(*args)
     concrete = fn.get_concrete_function(*args)

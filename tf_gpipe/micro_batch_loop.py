@@ -35,7 +35,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import batchnorm, loop_state, ordering, remat, sparse, stage
+from tf_gpipe import batchnorm, handles, loop_state, ordering, remat, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -264,7 +264,10 @@ def _run(
         return iteration(m, state)
 
     specs = [tf.TensorSpec([], tf.int32)] + [s for k in keys for s in probe_state[k]]
-    emitted = tf.function(probe, autograph=False).get_concrete_function(*specs).structured_outputs
+    with handles.collected() as captured:
+        emitted = tf.function(probe, autograph=False).get_concrete_function(*specs).structured_outputs
+    # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
+    packed = handles.pack(captured)
     out = loop_state.Layout(emitted["out"], relax)
     losses = [loop_state.Layout(row) for row in emitted["losses"]]
     terms = loop_state.Layout(emitted["terms"])
@@ -278,6 +281,7 @@ def _run(
         state["terms"] = terms.zeros()
     with tf.device(cells[0].device):
         state["micro_batch", 0] = [tf.constant(0)]
+    state["handles"] = packed.tensors
     for s, cell in enumerate(cells):
         with tf.device(cell.device):
             state["losses", s] = losses[s].arrays(M)
@@ -288,7 +292,8 @@ def _run(
 
     def body(_: tf.Tensor) -> None:
         m = loop_state.count(state, 0)
-        got = iteration(m, state)
+        with handles.replaced(handles.unpack(packed, state["handles"])):
+            got = iteration(m, state)
         with tf.device(cells[-1].device):
             state["out"] = loop_state.write(state["out"], m, out.compress(got["out"]))
             state["terms"] = [a + b for a, b in zip(state["terms"], terms.compress(got["terms"]))]
