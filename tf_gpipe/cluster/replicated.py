@@ -91,9 +91,9 @@ class ReplicatedPipeline(keras.Model):
             self._build_gradient_sums()
 
     def _build_gradient_sums(self) -> None:
-        # Before the first trace of the step (see PipelineModel._build_training_state).
+        # Before the first trace of the step (see PipelineModel.build_gradient_sums).
         for replica in self.replicas:
-            replica._build_gradient_sums()
+            replica.build_gradient_sums()
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.replicas[0](inputs, training=training)
