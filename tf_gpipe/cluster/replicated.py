@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import keras_compat, trainer, update
+from tf_gpipe.model import PipelineModel
 
 __all__ = ["ReplicatedPipeline"]
 
@@ -58,8 +59,6 @@ class ReplicatedPipeline(keras.Model):
         input_shape: Sequence[int | None] | None = None,
         **pipeline_kwargs: Any,
     ):
-        from tf_gpipe.model import PipelineModel
-
         super().__init__()
         groups = [list(g) for g in device_groups]
         flat = [d for g in groups for d in g]
