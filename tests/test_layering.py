@@ -102,6 +102,30 @@ def test_the_check_sees_a_cycle_closed_inside_a_function():
     assert find_cycle(import_graph(sources, set())) is None
 
 
+def imports_inside_functions(sources: dict[str, str]) -> list[str]:
+    """``module:line`` for each import of a tf_gpipe module inside a function: what the
+    layers make unneeded (third-party imports there, optional ones, are not counted)."""
+    found = []
+    for name, source in sources.items():
+        for function in ast.walk(ast.parse(source)):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                    if isinstance(node, ast.ImportFrom):
+                        names = [node.module or ""] if not node.level else ["tf_gpipe"]
+                    if any(n == "tf_gpipe" or n.startswith("tf_gpipe.") for n in names):
+                        found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_module_imports_the_package_inside_a_function():
+    found = imports_inside_functions(_sources())
+    assert not found, f"tf_gpipe modules import tf_gpipe inside a function (import at the top): {found}"
+    assert imports_inside_functions(
+        {"tf_gpipe.x": "def f():\n    import re\n    from tf_gpipe import y\n"}
+    ) == ["tf_gpipe.x:3"]
+
+
 def test_the_graph_resolves_every_kind_of_import():
     graph = import_graph(_sources())
     assert "tf_gpipe.loop" in graph["tf_gpipe.executor"]  # from tf_gpipe import loop
