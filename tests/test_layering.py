@@ -287,3 +287,16 @@ def test_a_public_modules_all_is_what_tf_gpipe_exports_from_it():
             exported.setdefault(node.module, set()).update(a.name for a in node.names)
     sources = _sources()
     assert {m: set(declared_all(sources[m]) or []) for m in EXPORTING} == exported
+
+
+def test_only_keras_compat_names_keras_internals():
+    """Private Keras modules (``keras.src``) are reached through tf_gpipe.keras_compat's hooks
+    only, so a Keras release that moves one fails there, with its test."""
+    outside = [
+        name
+        for name, source in _sources().items()
+        if "keras.src" in source
+        and name != "tf_gpipe.keras_compat"
+        and not name.startswith("tf_gpipe.keras_compat.")
+    ]
+    assert not outside, f"modules outside tf_gpipe.keras_compat naming keras.src: {outside}"
