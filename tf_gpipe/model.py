@@ -17,7 +17,7 @@ from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.jit import choose_jit
 from tf_gpipe.partition import check_tied_layers, split_by_balance, unpack_layers
-from tf_gpipe.pipeline import REMAT_MODES, Pipeline
+from tf_gpipe.pipeline import Pipeline, check_settings
 
 __all__ = ["PipelineModel"]
 
@@ -153,33 +153,7 @@ class PipelineModel(keras.Model):
         layer_list, spec = unpack_layers(layers)
         if not layer_list:
             raise ValueError("tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer.")
-        if (
-            isinstance(num_micro_batches, bool)
-            or not isinstance(num_micro_batches, int)
-            or num_micro_batches < 1
-        ):
-            raise ValueError(
-                f"tf_gpipe: num_micro_batches must be an integer >= 1, got {num_micro_batches!r}; "
-                "GPipe's bubble is small once num_micro_batches >= 4 * num_stages."
-            )
-        if remat not in REMAT_MODES:
-            raise ValueError(f"tf_gpipe: unknown remat mode {remat!r}; use one of {list(REMAT_MODES)}.")
-        if not (isinstance(micro_batch_loops, bool) or micro_batch_loops == "auto"):
-            raise ValueError(
-                f"tf_gpipe: micro_batch_loops must be True, False or 'auto', got {micro_batch_loops!r}."
-            )
-        if micro_batch_loops is True and (schedule != "gpipe" or remat != "always"):
-            raise ValueError(
-                f"tf_gpipe: micro_batch_loops=True builds GPipe's step with every stage re-materialized; "
-                f"got schedule={schedule!r}, remat={remat!r}. Use schedule='gpipe', remat='always', "
-                "or micro_batch_loops='auto' (the loops where they apply) or False."
-            )
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")
-        if num_stages is not None and (
-            isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
-        ):
-            raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
+        check_settings(num_micro_batches, remat, micro_batch_loops, schedule, virtual_stages, num_stages)
         if isinstance(balance, str):  # "params" | "time" | "memory": measured on the input spec
             balance = balance_by_cost(balance, layer_list, spec, num_stages, virtual_stages)
         if balance is not None:  # balance has one entry per cell: K * virtual_stages
