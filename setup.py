@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.10",
     # Tested with tensorflow 2.21.0, keras 3.15.1, numpy 2.4, absl-py 2.5 (Python 3.11); the
     # whole suite also passes on keras-nightly 3.16.0.dev2026102704 (.ci/keras_nightly.sh).
-    # Private Keras APIs (tf_gpipe/keras_compat.py) may move in any release: keep keras < 3.17
+    # Private Keras APIs (tf_gpipe/keras_compat/) may move in any release: keep keras < 3.17
     # until a newer one is tested.
     install_requires=[
         "tensorflow>=2.21,<2.22",

@@ -10,7 +10,7 @@
 # keras-nightly alone, which shadows the pinned keras there. keras-nightly needs exactly
 # the packages keras does, so it is installed without dependencies. Without a version,
 # the newest keras-nightly. Where a Keras change breaks tf_gpipe, the failures name a hook
-# of tf_gpipe/keras_compat.py (tests/test_keras_compat.py has one test per hook).
+# of tf_gpipe/keras_compat/ (tests/test_keras_compat.py has one test per hook).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-}"

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 import tf_gpipe
 from tf_gpipe import cluster
+from tf_gpipe.cluster.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "tests" / "_cluster_worker.py"
@@ -30,7 +31,7 @@ NUM_WORKERS = 2  # each with 2 logical CPUs
 STAGES = 4  # equivalence: 2 stages per worker process
 # worker_devices: task-major round-robin over the workers' logical CPUs.
 DEVICES = [f"/job:worker/replica:0/task:{k % 2}/device:CPU:{k // 2}" for k in range(STAGES)]
-CLIENT_ADDRESS = f"127.0.0.1:{cluster._free_port()}"  # the first client's own, given to connect
+CLIENT_ADDRESS = f"127.0.0.1:{free_port()}"  # the first client's own, given to connect
 TRAIN = ["train", "--stages=2"]  # fault tests: stage k on worker k (2 stages trace faster)
 
 
@@ -174,7 +175,7 @@ def test_flags_pick_local_workers_or_an_address_list(monkeypatch):
 
 
 def test_connect_gives_up_on_absent_workers_in_bounded_time():
-    port = cluster._free_port()  # nobody listens there
+    port = free_port()  # nobody listens there
     start = time.monotonic()
     with pytest.raises(cluster.WorkerFailedError, match=f"task:0 at 127.0.0.1:{port}.*Start each worker"):
         cluster.connect({"worker": [f"127.0.0.1:{port}"]}, timeout=1.0)
@@ -190,7 +191,7 @@ def _no_probes(monkeypatch):
     def probe(address, timeout):
         raise AssertionError(f"connect sent traffic to {address}")
 
-    monkeypatch.setattr(module, "_probe", probe)
+    monkeypatch.setattr(module, "probe_address", probe)
     monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", probe)
     return module
 
@@ -200,7 +201,7 @@ REMOTE = "10.255.0.7:2222"  # another host's address: never dialled by these tes
 
 def test_connect_refuses_a_loopback_client_when_a_worker_is_remote(monkeypatch):
     _no_probes(monkeypatch)
-    local = f"127.0.0.1:{cluster._free_port()}"
+    local = f"127.0.0.1:{free_port()}"
     monkeypatch.delenv("TF_CONFIG", raising=False)
     fix = r"a 'chief' task in TF_CONFIG .* connect\(\.\.\., address='thishost:2223'\)"
     refusal = rf"no address on loopback \(localhost\).*task:1 is on another host \({REMOTE}\).*{fix}"

@@ -242,7 +242,7 @@ def test_zb_h1_chains_each_action_after_the_previous_one_on_its_device(remat):
     )
     pm.build((None, 8))
     _compile(pm)
-    probe = pm._tracer = _Probe()
+    probe = pm.tracer = _Probe()
     x, y = data(10)
     step = tf.function(lambda a, b: trainer.gradients(pm, (a, b)).loss)
     step.get_concrete_function(tf.constant(x), tf.constant(y))

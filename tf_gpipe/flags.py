@@ -23,11 +23,16 @@ before TensorFlow starts, with a message that names the flag.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
 from absl import flags
+
+from tf_gpipe.devices import configure_virtual_cpus
+from tf_gpipe.model import PipelineModel
+from tf_gpipe.plan import plan as make_plan
 
 __all__ = [
     "BALANCE_METHODS",
@@ -389,8 +394,6 @@ def setup_devices(flag_values: flags.FlagValues = flags.FLAGS) -> list[str] | No
     n = flag_values.virtual_cpus
     if not n:
         return None
-    from tf_gpipe.devices import configure_virtual_cpus
-
     return configure_virtual_cpus(n)
 
 
@@ -399,8 +402,6 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 def parse_bytes(text: str) -> int:
     """``"2GiB"`` -> 2147483648: bytes, or a number with a unit (B, KB, MB, GB, KiB, MiB, GiB)."""
-    import re
-
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
@@ -448,11 +449,9 @@ def pipeline_model(
     ``optimizer`` (its slots and update are counted), and its report is printed; else
     they are ``kwargs`` (default :func:`pipeline_kwargs`).
     """
-    import tf_gpipe  # here, not at the top: the flags are parsed before TensorFlow starts
-
     fv = flag_values
     if fv.plan_memory_budget:
-        plan = tf_gpipe.plan(
+        plan = make_plan(
             layers,
             sample_input,
             fv.num_stages,
@@ -462,6 +461,6 @@ def pipeline_model(
             repeats=2,
         )
         print(plan.report(limit=8))
-        return tf_gpipe.PipelineModel(layers, plan=plan, name=name), plan.settings()
+        return PipelineModel(layers, plan=plan, name=name), plan.settings()
     settings = pipeline_kwargs(fv) if kwargs is None else dict(kwargs)
-    return tf_gpipe.PipelineModel(layers, name=name, **settings), settings
+    return PipelineModel(layers, name=name, **settings), settings

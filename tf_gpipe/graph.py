@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -30,15 +30,23 @@ def graph_nodes(model: keras.Model) -> list:
     return nodes
 
 
-def from_model(
-    cls: Any,
+class Cut(NamedTuple):
+    """Where ``cut_model`` cut a model: what ``PipelineModel.from_model`` builds on."""
+
+    stages: list  # one GraphStage per cell
+    num_stages: int
+    node_balance: list[int]  # nodes (layer calls) per cell
+    spec: Any  # the model's input spec, as its inputs are nested
+    source: keras.Model  # the functional model cut (a Sequential's functional twin)
+
+
+def cut_model(
     model: keras.Model,
     num_stages: int | None,
     balance: Sequence[int] | str | None,
     virtual_stages: int,
-    **kwargs: Any,
-) -> Any:
-    """``PipelineModel.from_model``: cut ``model``'s nodes into stages and build ``cls`` on them."""
+) -> Cut:
+    """``PipelineModel.from_model``'s split: the nodes cut into ``num_stages * virtual_stages`` stages."""
     if isinstance(model, keras.Sequential):
         functional = keras_compat.sequential_functional(model)
         if functional is None:  # no input shape yet: no graph to cut
@@ -63,13 +71,7 @@ def from_model(
         node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
     stages = split_graph(model, node_balance, name=f"{model.name}_stage")
     spec = tree.pack_sequence_as(keras_compat.inputs_structure(model), model.inputs)
-    instance = cls(stages, num_stages=num_stages, virtual_stages=virtual_stages, **kwargs)
-    instance._source_model = model
-    # Where the model was cut, in its own unit: nodes (layer calls) per stage, not the
-    # one GraphStage per cell the pipeline runs.
-    instance.balance = list(node_balance)
-    instance._build_cells(structure.spec_from(spec))
-    return instance
+    return Cut(stages, num_stages, list(node_balance), structure.spec_from(spec), model)
 
 
 class GraphStage(keras.layers.Layer):

@@ -17,7 +17,7 @@ from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.jit import choose_jit
 from tf_gpipe.partition import check_tied_layers, split_by_balance, unpack_layers
-from tf_gpipe.pipeline import REMAT_MODES, Pipeline
+from tf_gpipe.pipeline import Pipeline, check_settings
 
 __all__ = ["PipelineModel"]
 
@@ -153,33 +153,7 @@ class PipelineModel(keras.Model):
         layer_list, spec = unpack_layers(layers)
         if not layer_list:
             raise ValueError("tf_gpipe: `layers` is empty; a PipelineModel needs at least one layer.")
-        if (
-            isinstance(num_micro_batches, bool)
-            or not isinstance(num_micro_batches, int)
-            or num_micro_batches < 1
-        ):
-            raise ValueError(
-                f"tf_gpipe: num_micro_batches must be an integer >= 1, got {num_micro_batches!r}; "
-                "GPipe's bubble is small once num_micro_batches >= 4 * num_stages."
-            )
-        if remat not in REMAT_MODES:
-            raise ValueError(f"tf_gpipe: unknown remat mode {remat!r}; use one of {list(REMAT_MODES)}.")
-        if not (isinstance(micro_batch_loops, bool) or micro_batch_loops == "auto"):
-            raise ValueError(
-                f"tf_gpipe: micro_batch_loops must be True, False or 'auto', got {micro_batch_loops!r}."
-            )
-        if micro_batch_loops is True and schedule == "gpipe" and remat != "always":
-            raise ValueError(
-                "tf_gpipe: micro_batch_loops=True builds GPipe's step with every stage re-materialized "
-                f"(its loss needs every forward first); got remat={remat!r}. Use remat='always', "
-                "another schedule, or micro_batch_loops='auto' (the loops where they apply) or False."
-            )
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")
-        if num_stages is not None and (
-            isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
-        ):
-            raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
+        check_settings(num_micro_batches, remat, micro_batch_loops, schedule, virtual_stages, num_stages)
         if isinstance(balance, str):  # "params" | "time" | "memory": measured on the input spec
             balance = balance_by_cost(balance, layer_list, spec, num_stages, virtual_stages)
         if balance is not None:  # balance has one entry per cell: K * virtual_stages
@@ -236,7 +210,7 @@ class PipelineModel(keras.Model):
         self._jit_compile_arg = "auto"  # compile(jit_compile=...) as given, for get_compile_config
         self._build_spec = None
         if spec is not None:
-            self._build_cells(structure.spec_from(spec))
+            self.build_cells(structure.spec_from(spec))
 
     @classmethod
     def from_model(
@@ -276,7 +250,12 @@ class PipelineModel(keras.Model):
         pm = tf_gpipe.PipelineModel.from_model(keras.Model(inp, out), num_stages=2)
         ```
         """
-        return graph.from_model(cls, model, num_stages, balance, virtual_stages, **kwargs)
+        cut = graph.cut_model(model, num_stages, balance, virtual_stages)
+        instance = cls(cut.stages, num_stages=cut.num_stages, virtual_stages=virtual_stages, **kwargs)
+        instance._source_model = cut.source
+        instance.balance = list(cut.node_balance)  # where the model was cut, in nodes per cell
+        instance.build_cells(cut.spec)
+        return instance
 
     # ------------------------------------------------------------------ properties
     @property
@@ -294,32 +273,49 @@ class PipelineModel(keras.Model):
         """The stages: their layers and devices."""
         return list(self._pipeline.cells)
 
+    # The engine's own surface: what tf_gpipe's other modules (trainer, saving, timeline,
+    # the cluster's replicas) use of a PipelineModel, so that none reaches into its privates.
+    @property
+    def pipeline(self) -> Pipeline:
+        """The cells and how they run (remat, deferred BatchNormalization statistics)."""
+        return self._pipeline
+
+    @property
+    def tracer(self) -> Any:
+        """The timeline recorder the training step marks its actions for, or None."""
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, recorder: Any) -> None:
+        self._tracer = recorder
+
+    @property
+    def build_spec(self) -> Any:
+        """The input spec the cells were built for (None before they are)."""
+        return self._build_spec
+
+    @property
+    def devices_argument(self) -> Any:
+        """``devices`` as given (None: the default), for the config."""
+        return self._devices_arg
+
+    @property
+    def source_model(self) -> keras.Model | None:
+        """After ``from_model``: the functional model it was cut from; else None."""
+        return self._source_model
+
     # ------------------------------------------------------------------ building
-    def _build_cells(self, spec: Any) -> None:
+    def build_cells(self, spec: Any) -> None:
+        """Build every cell on its device for inputs like ``spec`` (tensors or KerasTensors)."""
         self._build_spec = spec
-        spec, side = self._separate(spec)
+        spec, side = self.separate_inputs(spec)
         for cell in self._pipeline.cells:
             spec = cell.build(spec, side)
         self.built = True
 
-    def _separate(self, inputs: Any) -> tuple[Any, dict | None]:
-        """Split the model's inputs into the main input and the side inputs."""
-        if not self.side_inputs:
-            return inputs, None
-        names = list(self.side_inputs)
-        if not isinstance(inputs, dict) or any(n not in inputs for n in names):
-            have = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
-            raise ValueError(
-                f"tf_gpipe: this model takes side inputs {names}: call it with a dict holding "
-                f"those keys and the main input (e.g. {{'inputs': x, '{names[0]}': ...}}); got {have}."
-            )
-        rest = {k: v for k, v in inputs.items() if k not in names}
-        if not rest:
-            raise ValueError(
-                "tf_gpipe: the inputs dict holds only side inputs; add the main input, e.g. 'inputs'."
-            )
-        main = next(iter(rest.values())) if len(rest) == 1 else rest
-        return main, {n: inputs[n] for n in names}
+    def separate_inputs(self, inputs: Any) -> tuple[Any, dict | None]:
+        """Split the model's inputs into the main input and the side inputs (None without)."""
+        return structure.separate_side_inputs(inputs, self.side_inputs)
 
     def build(self, input_shape: Any = None) -> None:
         """Build every stage on its device for inputs of ``input_shape`` (float32)."""
@@ -333,14 +329,14 @@ class PipelineModel(keras.Model):
         spec = tree.map_shape_structure(
             lambda s: keras.KerasTensor(tuple(s), dtype=self.input_dtype), input_shape
         )
-        self._build_cells(spec)
+        self.build_cells(spec)
 
     def _maybe_build(self, call_spec):  # a private Keras method: see keras_compat.first_call_argument
         # Keras would build from shapes alone; the real dtypes matter (token ids, masks).
         if not self.built:
             inputs = keras_compat.first_call_argument(call_spec)
             microbatch.check_batched(inputs)
-            self._build_cells(structure.spec_from(inputs))
+            self.build_cells(structure.spec_from(inputs))
         return super()._maybe_build(call_spec)
 
     def get_build_config(self) -> dict:
@@ -351,7 +347,7 @@ class PipelineModel(keras.Model):
 
     # ------------------------------------------------------------------ running
     def _split(self, inputs: Any, mask: Any):
-        main, side = self._separate(structure.to_tensors(inputs))
+        main, side = self.separate_inputs(structure.to_tensors(inputs))
         joint = microbatch.split((main, mask, side), self.num_micro_batches)
         return joint.select(0), [c[1] for c in joint.chunks], [c[2] for c in joint.chunks]
 
@@ -392,9 +388,10 @@ class PipelineModel(keras.Model):
             return
         self.optimizer.build(self.trainable_variables)
         update.place_optimizer(self.optimizer, self.devices[0])  # and what build made
-        self._build_gradient_sums()
+        self.build_gradient_sums()
 
-    def _build_gradient_sums(self) -> None:
+    def build_gradient_sums(self) -> None:
+        """Each stage's variables that sum its gradients over micro-batches (M > 1)."""
         if self.built and self.num_micro_batches > 1:
             for cell in self._pipeline.cells:
                 stage.functions(cell).sums.variables(cell.trainable_variables)

@@ -84,3 +84,37 @@ class Pipeline:
         if deferred is not None:
             deferred.apply()
         return acts, masks, losses
+
+
+def check_settings(
+    num_micro_batches: Any,
+    remat: Any,
+    micro_batch_loops: Any,
+    schedule: Any,
+    virtual_stages: Any,
+    num_stages: Any,
+) -> None:
+    """Refuse ``PipelineModel`` arguments of the wrong kind, naming the argument and the fix."""
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+        raise ValueError(
+            f"tf_gpipe: num_micro_batches must be an integer >= 1, got {num_micro_batches!r}; "
+            "GPipe's bubble is small once num_micro_batches >= 4 * num_stages."
+        )
+    if remat not in REMAT_MODES:
+        raise ValueError(f"tf_gpipe: unknown remat mode {remat!r}; use one of {list(REMAT_MODES)}.")
+    if not (isinstance(micro_batch_loops, bool) or micro_batch_loops == "auto"):
+        raise ValueError(
+            f"tf_gpipe: micro_batch_loops must be True, False or 'auto', got {micro_batch_loops!r}."
+        )
+    if micro_batch_loops is True and schedule == "gpipe" and remat != "always":
+        raise ValueError(
+            "tf_gpipe: micro_batch_loops=True builds GPipe's step with every stage re-materialized "
+            f"(its loss needs every forward first); got remat={remat!r}. Use remat='always', "
+            "another schedule, or micro_batch_loops='auto' (the loops where they apply) or False."
+        )
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")
+    if num_stages is not None and (
+        isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
+    ):
+        raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")

@@ -25,12 +25,12 @@ _LOOPS_NAMES = ("micro_batch_loops", "tick_loop")
 
 def get_build_config(model: Any) -> dict:
     """The input spec the model was built for: ``load_model`` rebuilds it before loading weights."""
-    if model._build_spec is None:
+    if model.build_spec is None:
         return {}
     return {
         "input_spec": tf.nest.map_structure(
             lambda t: None if t is None else {"shape": list(t.shape), "dtype": t.dtype},
-            model._build_spec,
+            model.build_spec,
         )
     }
 
@@ -47,7 +47,7 @@ def build_from_config(model: Any, config: dict) -> None:
             config["input_spec"],
             top_down=True,
         )
-        model._build_cells(spec)
+        model.build_cells(spec)
 
 
 def get_config(model: Any) -> dict:
@@ -56,7 +56,7 @@ def get_config(model: Any) -> dict:
         "name": model.name,
         "trainable": model.trainable,
         "num_micro_batches": model.num_micro_batches,
-        "devices": model._devices_arg,
+        "devices": model.devices_argument,
         "remat": model.remat,
         "schedule": model.schedule,
         "virtual_stages": model.virtual_stages,
@@ -64,8 +64,8 @@ def get_config(model: Any) -> dict:
         "side_inputs": list(model.side_inputs),
         _LOOPS_ARGUMENT: getattr(model, _LOOPS_ARGUMENT),
     }
-    if model._source_model is not None:  # from_model: the graph and where it was cut
-        config["source_model"] = keras.saving.serialize_keras_object(model._source_model)
+    if model.source_model is not None:  # from_model: the graph and where it was cut
+        config["source_model"] = keras.saving.serialize_keras_object(model.source_model)
         config["node_balance"] = list(model.balance)  # nodes per stage (from_model)
         config["num_stages"] = model.num_stages
     else:
@@ -112,7 +112,7 @@ def to_sequential(model: Any, name: str | None = None) -> keras.Sequential:
     """
     if not model.built:
         raise ValueError(not_built("to_sequential()"))
-    if model._source_model is not None:  # GraphStages are views of a graph, not layers to copy
+    if model.source_model is not None:  # GraphStages are views of a graph, not layers to copy
         raise ValueError(
             "tf_gpipe: this model was split from a functional model by from_model, so it has "
             "no layer list to put in a keras.Sequential; use model.to_functional() for an "
@@ -124,20 +124,20 @@ def to_sequential(model: Any, name: str | None = None) -> keras.Sequential:
             "weights with get_weights() into a functional model that wires them instead."
         )
     clones = [layer.__class__.from_config(layer.get_config()) for layer in model.stage_layers]
-    spec = model._build_spec
+    spec = model.build_spec
     if isinstance(spec, keras.KerasTensor):  # keep the input dtype and a free batch size
         clones.insert(0, keras.Input(batch_shape=(None,) + tuple(spec.shape[1:]), dtype=spec.dtype))
     seq = keras.Sequential(clones, name=name or f"{model.name}_sequential")
     # Build the copy by running it once on zeros: a symbolic call cannot build
     # layers that take tuples or dicts (Concatenate, custom layers).
-    seq(structure.zeros_like_spec(model._build_spec), training=False)
+    seq(structure.zeros_like_spec(model.build_spec), training=False)
     seq.set_weights(model.get_weights())
     return seq
 
 
 def to_functional(model: Any, name: str | None = None) -> keras.Model:
     """An unsplit functional copy of ``from_model``'s source model, with the current weights."""
-    source = model._source_model
+    source = model.source_model
     if source is None:
         raise ValueError(
             "tf_gpipe: to_functional() exports a model made by PipelineModel.from_model; this "

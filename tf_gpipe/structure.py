@@ -45,3 +45,23 @@ def spec_from(structure: Any) -> Any:
         return keras.KerasTensor((None,) + shape[1:] if shape else shape, dtype=dtype)
 
     return tf.nest.map_structure(one, structure)
+
+
+def separate_side_inputs(inputs: Any, side_inputs: tuple[str, ...]) -> tuple[Any, dict | None]:
+    """A model's inputs as its main input and the dict of its ``side_inputs`` (None without)."""
+    if not side_inputs:
+        return inputs, None
+    names = list(side_inputs)
+    if not isinstance(inputs, dict) or any(n not in inputs for n in names):
+        have = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+        raise ValueError(
+            f"tf_gpipe: this model takes side inputs {names}: call it with a dict holding "
+            f"those keys and the main input (e.g. {{'inputs': x, '{names[0]}': ...}}); got {have}."
+        )
+    rest = {k: v for k, v in inputs.items() if k not in names}
+    if not rest:
+        raise ValueError(
+            "tf_gpipe: the inputs dict holds only side inputs; add the main input, e.g. 'inputs'."
+        )
+    main = next(iter(rest.values())) if len(rest) == 1 else rest
+    return main, {n: inputs[n] for n in names}

@@ -149,12 +149,12 @@ def record(model: Any) -> Iterator[Recorder]:
     ```
     """
     recorder = Recorder()
-    model._tracer = recorder
+    model.tracer = recorder
     model.train_function = None  # retrace with the markers in
     try:
         yield recorder
     finally:
-        model._tracer = None
+        model.tracer = None
         model.train_function = None
 
 

@@ -65,7 +65,7 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     # would clear them, but the training step runs the stages without it.
     keras_compat.clear_losses(model)
     if not model.built:
-        model._build_cells(structure.spec_from(x))
+        model.build_cells(structure.spec_from(x))
     loss_model = model if loss_model is None else loss_model
     if loss_model is not model and _overrides_compute_loss(loss_model):
         # The replicas' losses are this model's compiled loss, each on its own shard.
@@ -79,7 +79,7 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     # A compute_loss override runs on each micro-batch, weighted by its share, and is
     # checked against the whole mini-batch's (``_checked``): exact only for per-example means.
     custom = exact and loss_model is model and _overrides_compute_loss(model)
-    main, side = model._separate(x)
+    main, side = model.separate_inputs(x)
     multiple_of = model.num_stages if model.schedule == "interleaved" else 1
     joint = microbatch.split(
         (main, y, sample_weight, side, x if custom else None), model.num_micro_batches, multiple_of
@@ -92,7 +92,7 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
     weights = shares(joint.sizes, batch_size)
     state: dict = {"direct": [None] * len(trainable), "loss": [], "valid": []}
-    deferred = model._pipeline.deferred_stats(True)
+    deferred = model.pipeline.deferred_stats(True)
 
     def batch_loss(outs, masks):
         # Fill-drain: every forward is done, so the loss sees the whole mini-batch,
@@ -147,15 +147,15 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     ]
     outs, out_masks, totals, cell_losses, terms = run_schedule(
         plan,
-        model._pipeline.cells,
+        model.pipeline.cells,
         xs,
         [None] * len(xs),
-        model._pipeline.rematerializes,
+        model.pipeline.rematerializes,
         sides=[c[3] for c in joint.chunks],
         batch_loss=batch_loss if not exact else None,
         micro_loss=micro_loss if exact else None,
         cell_loss_grads=[unit * share for share in weights],
-        tracer=model._tracer,
+        tracer=model.tracer,
         deferred=deferred,
         # An override's gradients w.r.t. the weights are summed beside the loops (``direct``).
         micro_batch_loops=False if custom else getattr(model, "micro_batch_loops", False),

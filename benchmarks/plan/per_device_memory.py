@@ -123,9 +123,9 @@ def _scale_layer():
 
 class _Workers:
     def __init__(self, n: int):
-        from tf_gpipe.cluster.local import _free_port
+        from tf_gpipe.cluster.local import free_port
 
-        self.cluster = {"worker": [f"127.0.0.1:{_free_port()}" for _ in range(n)]}
+        self.cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(n)]}
         argv = [sys.executable, os.path.abspath(__file__), f"--worker_cluster={json.dumps(self.cluster)}"]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE]))
         env.pop("TF_CONFIG", None)

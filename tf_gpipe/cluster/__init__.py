@@ -34,7 +34,6 @@ A worker on a real host runs ``python -m tf_gpipe.cluster --worker --task_index=
 from tf_gpipe.cluster.connect import client_device, connect, worker_devices
 from tf_gpipe.cluster.flags import define_flags, from_flags
 from tf_gpipe.cluster.local import LocalCluster
-from tf_gpipe.cluster.local import _free_port as _free_port  # a port nobody listens on (tests)
 from tf_gpipe.cluster.replicated import ReplicatedPipeline
 from tf_gpipe.cluster.resumable import ResumableCheckpoint
 from tf_gpipe.cluster.spec import ClusterLike as ClusterLike  # the cluster argument's type

@@ -2,6 +2,6 @@
 
 import sys
 
-from tf_gpipe.cluster.worker import _worker_main
+from tf_gpipe.cluster.worker import worker_main
 
-sys.exit(_worker_main(sys.argv[1:]))
+sys.exit(worker_main(sys.argv[1:]))

@@ -9,8 +9,8 @@ import time
 import tensorflow as tf
 
 from tf_gpipe import tf_compat
-from tf_gpipe.cluster.spec import ClusterLike, _addresses, _parse, cluster_spec
-from tf_gpipe.cluster.watch import WorkerFailedError, _probe
+from tf_gpipe.cluster.spec import ClusterLike, cluster_spec, job_addresses, parse_cluster
+from tf_gpipe.cluster.watch import WorkerFailedError, probe_address
 
 __all__ = ["client_device", "connect", "worker_devices"]
 
@@ -22,7 +22,7 @@ def _wait_answering(addresses: dict[int, str], job: str, timeout: float) -> None
     missing = dict(addresses)
     while missing:
         left = max(0.5, min(5.0, deadline - time.monotonic()))
-        missing = {i: a for i, a in missing.items() if _probe(a, left) is not None}
+        missing = {i: a for i, a in missing.items() if probe_address(a, left) is not None}
         if not missing or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -80,7 +80,7 @@ def _client_spec(
     Checked before any connection: a worker on another host reaches the client at the
     address this spec gives it, so a loopback one there would make it dial itself.
     """
-    workers = _addresses(spec, job_name)
+    workers = job_addresses(spec, job_name)
     client_job, client_index = _CLIENT_JOB, 0
     if task and task.get("type") == job_name:
         raise ValueError(
@@ -169,9 +169,9 @@ def connect(
         The ``tf.train.ClusterSpec`` this process connected with: the cluster's, plus
         job ``"client"`` when ``address`` added it.
     """
-    spec, task = _parse(cluster)
+    spec, task = parse_cluster(cluster)
     spec, client_job, client_index = _client_spec(spec, task, job_name, address)
-    _wait_answering(_addresses(spec, job_name), job_name, timeout)
+    _wait_answering(job_addresses(spec, job_name), job_name, timeout)
     tf.config.experimental_connect_to_cluster(
         spec, job_name=client_job, task_index=client_index, protocol=protocol
     )
@@ -202,7 +202,7 @@ def worker_devices(
     device_type = device_type.upper()
     tasks: int | None = None
     if cluster is not None:
-        tasks = len(_addresses(cluster_spec(cluster), job))
+        tasks = len(job_addresses(cluster_spec(cluster), job))
     found: dict[int, list[tf.DeviceSpec]] = {}
     if tasks is None:
         for d in tf.config.list_logical_devices(device_type):

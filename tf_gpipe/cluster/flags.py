@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
+from absl import flags
 
 from tf_gpipe.cluster.connect import connect
 from tf_gpipe.cluster.local import LocalCluster
@@ -17,8 +18,6 @@ __all__ = ["define_flags", "from_flags"]
 
 def define_flags(flag_values: Any = None) -> None:
     """Declare ``--cluster`` and ``--cluster_workers`` (absl) for a training script."""
-    from absl import flags
-
     fv = flags.FLAGS if flag_values is None else flag_values  # an empty FlagValues is falsy
     flags.DEFINE_string(
         "cluster",
@@ -43,8 +42,6 @@ def from_flags(flag_values: Any = None) -> Iterator[tf.train.ClusterSpec | None]
     Yields None (nothing connected) when none of them is given. Local workers
     started for ``--cluster_workers`` stop when the block ends.
     """
-    from absl import flags
-
     fv = flags.FLAGS if flag_values is None else flag_values  # an empty FlagValues is falsy
     if fv.cluster_workers:
         with LocalCluster(fv.cluster_workers) as local:

@@ -18,11 +18,11 @@ import tensorflow as tf
 
 __all__ = ["LocalCluster"]
 
-_READY = "TF_GPIPE_WORKER_READY"  # what a worker prints once it listens (tf_gpipe.cluster.worker)
-_LIVE_CLUSTERS: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
+WORKER_READY = "TF_GPIPE_WORKER_READY"  # what a worker prints once it listens (tf_gpipe.cluster.worker)
+LIVE_CLUSTERS: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -82,10 +82,10 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.lifetime = lifetime
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="tf_gpipe_cluster_")
-        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]
         self._procs: list[subprocess.Popen | None] = [None] * num_workers
         self._closed = False
-        _LIVE_CLUSTERS.add(self)
+        LIVE_CLUSTERS.add(self)
         atexit.register(self.close)
         if start:
             self.start()
@@ -157,7 +157,7 @@ class LocalCluster:
         deadline = time.monotonic() + self.startup_timeout
         try:
             for t, proc in launched:
-                while _READY not in _tail(self.log(t), 10**6):
+                while WORKER_READY not in _tail(self.log(t), 10**6):
                     if proc.poll() is not None:
                         raise RuntimeError(
                             f"tf_gpipe: local worker {t} ({self.addresses[t]}) exited with code "

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import keras_compat, trainer, update
+from tf_gpipe.model import PipelineModel
 
 __all__ = ["ReplicatedPipeline"]
 
@@ -58,8 +59,6 @@ class ReplicatedPipeline(keras.Model):
         input_shape: Sequence[int | None] | None = None,
         **pipeline_kwargs: Any,
     ):
-        from tf_gpipe.model import PipelineModel
-
         super().__init__()
         groups = [list(g) for g in device_groups]
         flat = [d for g in groups for d in g]
@@ -91,9 +90,9 @@ class ReplicatedPipeline(keras.Model):
             self._build_gradient_sums()
 
     def _build_gradient_sums(self) -> None:
-        # Before the first trace of the step (see PipelineModel._build_training_state).
+        # Before the first trace of the step (see PipelineModel.build_gradient_sums).
         for replica in self.replicas:
-            replica._build_gradient_sums()
+            replica.build_gradient_sums()
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.replicas[0](inputs, training=training)

@@ -15,7 +15,7 @@ __all__ = ["ClusterLike", "cluster_spec"]
 ClusterLike = Union[None, str, dict, tf.train.ClusterSpec, "LocalCluster"]
 
 
-def _parse(cluster: ClusterLike) -> tuple:
+def parse_cluster(cluster: ClusterLike) -> tuple:
     """``(ClusterSpec, task dict or None)`` from any accepted cluster description."""
     if isinstance(cluster, LocalCluster):
         return cluster.cluster_spec, None
@@ -48,10 +48,10 @@ def _parse(cluster: ClusterLike) -> tuple:
 def cluster_spec(cluster: ClusterLike = None) -> tf.train.ClusterSpec:
     """The ``tf.train.ClusterSpec`` of ``cluster``: TF_CONFIG (None), a JSON string, a
     ``"host:port,host:port"`` list of workers, a dict, a ClusterSpec or a LocalCluster."""
-    return _parse(cluster)[0]
+    return parse_cluster(cluster)[0]
 
 
-def _addresses(spec: tf.train.ClusterSpec, job: str) -> dict[int, str]:
+def job_addresses(spec: tf.train.ClusterSpec, job: str) -> dict[int, str]:
     if job not in spec.jobs:
         raise ValueError(
             f"tf_gpipe: the cluster has no job {job!r}; its jobs are {spec.jobs}. "

@@ -12,8 +12,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_gpipe.cluster.local import _LIVE_CLUSTERS
-from tf_gpipe.cluster.spec import ClusterLike, _addresses, cluster_spec
+from tf_gpipe.cluster.local import LIVE_CLUSTERS
+from tf_gpipe.cluster.spec import ClusterLike, cluster_spec, job_addresses
 
 __all__ = ["WorkerFailedError", "WorkerWatch", "watch_workers"]
 
@@ -22,7 +22,7 @@ class WorkerFailedError(RuntimeError):
     """A worker holding pipeline stages died or stopped answering."""
 
 
-def _probe(address: str, timeout: float) -> str | None:
+def probe_address(address: str, timeout: float) -> str | None:
     """None if the TensorFlow server at ``address`` answers within ``timeout`` s, else why not.
 
     Asks the server's own ``WorkerService/GetStatus`` (a health check, not a transport):
@@ -94,7 +94,7 @@ class WorkerWatch(keras.callbacks.Callback):
     ):
         super().__init__()
         self.job_name = job_name
-        self.addresses = _addresses(cluster_spec(cluster), job_name)
+        self.addresses = job_addresses(cluster_spec(cluster), job_name)
         self.probe_interval, self.probe_timeout = probe_interval, probe_timeout
         self.grace, self.step_timeout, self.exit_code = grace, step_timeout, exit_code
         self.failure: str | None = None
@@ -122,7 +122,7 @@ class WorkerWatch(keras.callbacks.Callback):
     def diagnose(self) -> str | None:
         """Probe every worker now; the error message for the first that fails, else None."""
         for task in sorted(self.addresses):
-            why = _probe(self.addresses[task], self.probe_timeout)
+            why = probe_address(self.addresses[task], self.probe_timeout)
             if why is not None:
                 return self._message(f"worker {self._name(task)} stopped answering: {why}", task)
         return None
@@ -160,7 +160,7 @@ class WorkerWatch(keras.callbacks.Callback):
         )
         sys.stderr.flush()
         sys.stdout.flush()
-        for local in list(_LIVE_CLUSTERS):
+        for local in list(LIVE_CLUSTERS):
             local.close(grace=1.0)
         os._exit(self.exit_code)
 

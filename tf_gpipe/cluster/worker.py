@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tf_gpipe.cluster.local import _READY
-from tf_gpipe.cluster.spec import ClusterLike, _parse, cluster_spec
+from tf_gpipe.cluster.local import WORKER_READY
+from tf_gpipe.cluster.spec import ClusterLike, cluster_spec, parse_cluster
 
 __all__ = ["serve"]
 
@@ -50,7 +50,7 @@ def serve(
     )
 
 
-def _worker_main(argv: Sequence[str]) -> int:
+def worker_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tf_gpipe.cluster",
         description="Run one TensorFlow worker server that can hold tf_gpipe stages.",
@@ -65,11 +65,11 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--parent_pid", type=int, default=0, help="exit when this parent process is gone")
     parser.add_argument("--lifetime", type=float, default=0, help="exit after this many seconds (0: never)")
     args = parser.parse_args(argv)
-    _, task = _parse(args.cluster)
+    _, task = parse_cluster(args.cluster)
     job = args.job_name or (task or {}).get("type") or "worker"
     index = args.task_index if args.task_index is not None else int((task or {}).get("index", 0))
     server = serve(args.cluster, job, index, args.protocol, args.virtual_cpus, args.threads)
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid, args.lifetime), daemon=True).start()
-    print(f"{_READY} /job:{job}/replica:0/task:{index} {server.target} pid={os.getpid()}", flush=True)
+    print(f"{WORKER_READY} /job:{job}/replica:0/task:{index} {server.target} pid={os.getpid()}", flush=True)
     server.join()
     return 0

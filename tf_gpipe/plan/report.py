@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tf_gpipe import schedules
+from tf_gpipe.model import PipelineModel
 from tf_gpipe.plan.predict import UpdateCost, static_bytes
 from tf_gpipe.plan.profile import ModelProfile
 from tf_gpipe.plan.search import Candidate, remat_flags
@@ -91,10 +93,6 @@ class Plan:
         An argument left at ``PipelineModel``'s default takes the plan's value; any
         other must equal it (``devices`` too, unless the plan was made for a count).
         """
-        import inspect
-
-        from tf_gpipe.model import PipelineModel
-
         defaults = {k: p.default for k, p in inspect.signature(PipelineModel.__init__).parameters.items()}
         out = self.settings()
         for name, value in given.items():

@@ -1,0 +1,180 @@
+"""The hooks for models: the graph of a functional model, and the training internals a
+custom ``train_step`` needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from tf_gpipe.keras_compat.errors import gone, private_attribute, private_module
+
+__all__: list[str] = []
+
+
+# ------------------------------------------------------------------------------ functional models
+_GRAPH = "cut a functional model into stages (PipelineModel.from_model)"
+
+
+def _is_functional(model: Any) -> bool:
+    return any(cls.__name__ == "Functional" for cls in type(model).__mro__)
+
+
+def functional_nodes(model: Any) -> list | None:
+    """The computation nodes of a functional model in the order Keras runs them, inputs excluded.
+
+    None for a model without a graph (subclassed, or a Sequential not yet built). Uses
+    ``Functional._nodes_by_depth`` and the nodes' ``operation``/``is_input``.
+    """
+    by_depth = getattr(model, "_nodes_by_depth", None)
+    if by_depth is None:
+        if _is_functional(model):
+            raise gone("Functional._nodes_by_depth", _GRAPH)
+        return None
+    nodes = []
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
+            if node.operation is not None and not node.is_input:
+                nodes.append(node)
+    return nodes
+
+
+def node_arguments(node: Any, values: dict[int, Any]) -> tuple:
+    """``(args, kwargs)`` of ``node``'s call, its symbolic inputs replaced by ``values[id(x)]``.
+
+    Uses ``Node.arguments.fill_in``, as ``Functional.call`` does.
+    """
+    return private_attribute(private_attribute(node, "arguments", _GRAPH), "fill_in", _GRAPH)(values)
+
+
+def operation_caller(operation: Any, training: bool | None) -> Callable[..., Any]:
+    """``operation`` as ``Functional.call`` runs it, with ``training`` passed explicitly.
+
+    Keras 3.15 did this with ``keras.src.models.functional.operation_fn``; 3.16 removed it
+    (nested calls take ``training`` from the call context). Passing it explicitly does the
+    same on both, and also outside any call context (``graph.node_costs`` times nodes one
+    by one). Uses ``Layer._call_context_args``: the call-context arguments a layer accepts.
+    """
+    if training is None or not isinstance(operation, keras.layers.Layer):
+        return operation
+    if "training" not in private_attribute(operation, "_call_context_args", _GRAPH):
+        return operation
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        kwargs["training"] = training  # over the node's own, as Keras 3.15's operation_fn did
+        return operation(*args, **kwargs)
+
+    return call
+
+
+def standardize_inputs(model: Any, inputs: Any) -> list:
+    """``inputs`` as the flat list, in ``model.inputs`` order, that a functional model runs on.
+
+    Uses ``Functional._standardize_inputs`` (dicts by input name, single tensors, nesting).
+    """
+    return private_attribute(model, "_standardize_inputs", _GRAPH)(inputs)
+
+
+def outputs_structure(model: Any) -> Any:
+    """The nested structure of a functional model's outputs (``model.outputs`` is flat).
+
+    Uses ``Function._outputs_struct``.
+    """
+    return private_attribute(model, "_outputs_struct", _GRAPH)
+
+
+def inputs_structure(model: Any) -> Any:
+    """The nested structure of a functional model's inputs (``model.inputs`` is flat).
+
+    Uses ``Function._inputs_struct``.
+    """
+    return private_attribute(model, "_inputs_struct", _GRAPH)
+
+
+# ------------------------------------------------------------------------------ training internals
+def compiled_loss(model: keras.Model) -> Any:
+    """The loss ``compile(loss=...)`` built, ``(y, y_pred, sample_weight) -> loss``, or None.
+
+    Uses ``Trainer._compile_loss``: a custom train step computes the compiled loss per
+    replica or micro-batch; ``compute_loss`` would also add the model's own losses.
+    """
+    return private_attribute(model, "_compile_loss", "compute the compiled loss in a custom training step")
+
+
+def loss_tracker(model: keras.Model) -> Any:
+    """The ``Mean`` metric behind the ``loss`` that ``fit`` reports.
+
+    Uses ``Trainer._loss_tracker``: a custom ``train_step`` must update it itself.
+    """
+    return private_attribute(model, "_loss_tracker", "report the loss of a custom training step")
+
+
+def set_initial_epoch(model: keras.Model, epoch: int | None) -> None:
+    """Make the running ``fit`` start at ``epoch`` (None: from its own argument again).
+
+    Uses ``Trainer._initial_epoch``, as ``keras.callbacks.BackupAndRestore`` does.
+    """
+    why = "resume fit from the epoch of a checkpoint (cluster.ResumableCheckpoint)"
+    private_attribute(model, "_initial_epoch", why)
+    model._initial_epoch = epoch
+
+
+def flat_compiled_losses(model: keras.Model) -> list:
+    """The entries of the compiled loss, one per output (each with its ``.loss``), or [].
+
+    Uses ``CompileLoss._flat_losses``: what reduction each output's loss uses decides
+    whether a loss can be split over micro-batches.
+    """
+    loss = compiled_loss(model)
+    if loss is None:
+        return []
+    return list(private_attribute(loss, "_flat_losses", "check the reduction of each compiled loss") or [])
+
+
+def model_compute_loss(
+    model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool = True
+) -> Any:
+    """``model.compute_loss(...)`` as Keras' own ``train_step`` calls it.
+
+    Uses ``Trainer._compute_loss``, which also serves overrides of ``compute_loss`` written
+    before it took ``training`` (Keras < 3.3).
+    """
+    method = private_attribute(model, "_compute_loss", "compute the loss as keras.Model.train_step does")
+    return method(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def aggregate_additional_loss(model: keras.Model, loss: Any) -> Any:
+    """One scalar from a loss that layers added (``add_loss``, regularizers), as ``fit`` sums it.
+
+    Uses ``Trainer._aggregate_additional_loss`` (a sum, cast to floatx if not float).
+    """
+    return private_attribute(model, "_aggregate_additional_loss", "add the losses that layers add")(loss)
+
+
+def clear_losses(model: keras.Model) -> None:
+    """Forget the losses layers added in earlier calls (``__call__`` does it; a step that
+    runs the layers without it must too). Uses ``Layer._clear_losses``."""
+    private_attribute(model, "_clear_losses", "clear the losses of an earlier call")()
+
+
+def unscale_loss_for_distribution(loss: Any) -> Any:
+    """The loss as ``fit`` reports it under a ``tf.distribute`` strategy (undone replica scaling).
+
+    Uses ``keras.src.losses.loss.unscale_loss_for_distribution``.
+    """
+    why = "report the loss as keras.Model.train_step does"
+    return private_attribute(
+        private_module("keras.src.losses.loss", why), "unscale_loss_for_distribution", why
+    )(loss)
+
+
+def sequential_functional(model: keras.Sequential) -> Any:
+    """The functional model behind a built ``keras.Sequential`` (None before it is built).
+
+    Uses ``Sequential._functional``: its symbolic inputs and graph, which
+    ``PipelineModel`` takes the input spec from and ``from_model`` cuts.
+    """
+    why = "read the input spec and graph of a built keras.Sequential"
+    return private_attribute(model, "_functional", why)  # set (to None) by Sequential.__init__
