@@ -98,7 +98,8 @@ def replaced(by_id: dict[int, tf.Tensor]) -> Iterator[None]:
 def collected() -> Iterator[list[tf.Tensor]]:
     """Within this scope ``call`` adds the handles each call captures to the list it yields."""
     saved = getattr(_local, "found", None)
-    _local.found = found = []
+    found: list[tf.Tensor] = []
+    _local.found = found
     try:
         yield found
     finally:
