@@ -155,10 +155,14 @@ class StageFunctions:
         """
         defer = self._defers(deferred, training)
         with tf.device(self.cell.device):
-            fn, extra = (self._forward_taped, (bool(input_grads),)) if taped else (self._plain_forward(), ())
-            outputs, out_mask, losses, before, moments = handles.call(
-                fn, inputs, mask, side, nonempty, training, defer, *extra
-            )
+            args = (inputs, mask, side, nonempty, training, defer)
+            if taped:
+                # With the variable handles it captured: a tape differentiates the call w.r.t.
+                # the variables it knows, which a loop's packed handles are not.
+                result = self._forward_taped(*args, bool(input_grads))
+            else:
+                result = handles.call(self._plain_forward(), *args)
+            outputs, out_mask, losses, before, moments = result
         if defer:
             for bn, sums in zip(self._deferred_layers[(training, defer)], moments):
                 deferred.add_sums(bn, sums)

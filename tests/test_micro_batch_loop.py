@@ -1,0 +1,146 @@
+"""1F1B, interleaved and ZB-H1 as one loop over micro-batches (tf_gpipe.micro_batch_loop):
+the built-out step's results, a graph that does not grow with M, and each device held to
+its schedule's order across micro-batches (schedules.loop_waits)."""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import assert_all_close, mlp_layers
+from test_loop import _token_data, _token_layers
+
+import tf_gpipe
+from tf_gpipe import micro_batch_loop, schedules
+from tf_gpipe.schedules.loop_waits import Wait, waits
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+SCHEDULES = {
+    "1f1b": dict(schedule="1f1b"),
+    "zb-h1": dict(schedule="zb-h1"),
+    "interleaved": dict(schedule="interleaved", virtual_stages=2),
+}
+
+
+def test_one_f_one_b_waits_bound_what_each_stage_holds():
+    """1F1B's order, kept across micro-batches: stage s's forward of m waits for its backward
+    of m - (K - s), and each stage's actions of one kind stay in micro-batch order."""
+    found = set(waits(schedules.get("1f1b", 4, 8)))
+    for s in range(4):
+        assert Wait("F", s, "B", s, 4 - s) in found
+        assert {Wait("F", s, "F", s, 1), Wait("B", s, "B", s, 1)} <= found
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved"])
+@pytest.mark.parametrize("M", [2, 5, 8])
+def test_every_wait_holds_in_the_schedules_order(name, M):
+    """Each wait is part of the schedule's own order for every micro-batch, so the schedule's
+    order runs the loop: it cannot deadlock."""
+    K = 2 if name == "interleaved" else 3
+    if name == "interleaved" and M % K:
+        M *= K
+    schedule = schedules.get(name, K, M, 2 if name == "interleaved" else 1)
+    position = {a: (d, i) for d, order in enumerate(schedule.orders) for i, a in enumerate(order)}
+    for w in waits(schedule):
+        for m in range(w.lag, M):
+            d, i = position[schedules.Action(w.kind, w.stage, m)]
+            d_on, i_on = position[schedules.Action(w.on_kind, w.on_stage, m - w.lag)]
+            assert d == d_on and i_on < i, (w, m)
+
+
+def test_out_of_order_schedules_are_refused():
+    schedule = schedules.get("1f1b", 2, 3)
+    order = schedule.orders[0]
+    first, second = order.index(schedules.Action("F", 0, 0)), order.index(schedules.Action("F", 0, 1))
+    order[first], order[second] = order[second], order[first]
+    with pytest.raises(ValueError, match="out of micro-batch order"):
+        waits(schedule)
+
+
+def _fit(layers, x, y, batch_size, **kwargs):
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, **kwargs)
+    pm.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+    history = pm.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history["loss"]
+    return history, pm.get_weights()
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("remat", ["always", "never", "except_last"])
+def test_the_loop_computes_what_the_built_out_step_does(schedule, remat, monkeypatch):
+    """Rows, a Keras mask, dropout, deferred BatchNormalization, a layer's loss, Adam, and
+    uneven micro-batches (29 examples, batch 13: 13 in 4 then 3 in 4) give the built-out
+    step's losses and weights, and the loop did build them."""
+    x, y = _token_data()
+    kwargs = dict(num_micro_batches=4, remat=remat, **SCHEDULES[schedule])
+    want = _fit(_token_layers(), x, y, 13, micro_batch_loops=False, **kwargs)
+    calls = []
+    original = micro_batch_loop.run
+    monkeypatch.setattr(micro_batch_loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
+    got = _fit(_token_layers(), x, y, 13, **kwargs)
+    assert calls
+    assert_all_close(got[0], want[0])
+    assert_all_close(got[1], want[1])
+
+
+class _Logged(keras.layers.Layer):
+    """Identity that logs, as it runs, its forward ("F") and its gradient ("B")."""
+
+    def __init__(self, stage, log, **kwargs):
+        super().__init__(**kwargs)
+        self.stage, self.log = stage, log
+
+    def call(self, x):
+        def record(kind):
+            def write(t):
+                with _LOCK:
+                    self.log.append((kind, self.stage))
+                return t
+
+            return write
+
+        @tf.custom_gradient
+        def logged(t):
+            t = tf.numpy_function(record("F"), [t], t.dtype, stateful=True)
+
+            def grad(dy):
+                return tf.numpy_function(record("B"), [dy], dy.dtype, stateful=True)
+
+            return t, grad
+
+        out = logged(x)
+        out.set_shape(x.shape)
+        return out
+
+
+_LOCK = threading.Lock()
+
+
+@pytest.mark.parametrize("with_waits", [True, False])
+def test_each_stage_holds_what_one_f_one_b_allows(with_waits, cpu_devices, monkeypatch):
+    """Run, not read: with M=8 on two stages, no stage ever has more forwards done and not
+    yet backward than 1F1B allows (K - s); without the waits, stage 0's forwards run ahead
+    (the check that the test can fail)."""
+    if not with_waits:
+        monkeypatch.setattr(micro_batch_loop._Tokens, "before", lambda *a: [])
+    log: list = []
+    layers = mlp_layers(depth=1)
+    layers = [layers[0], _Logged(0, log), keras.layers.Dense(12, activation="tanh"), _Logged(1, log), layers[1]]
+    pm = tf_gpipe.PipelineModel(
+        layers, num_stages=2, num_micro_batches=8, schedule="1f1b", remat="never", devices=cpu_devices[:2]
+    )
+    pm.compile(optimizer="sgd", loss=LOSS)
+    x = np.random.RandomState(0).rand(16, 8).astype("float32")
+    worst = [0, 0]
+    for _ in range(3):
+        log.clear()
+        pm.train_on_batch(x, np.arange(16) % 3)
+        held = [0, 0]
+        for kind, s in log:
+            held[s] += 1 if kind == "F" else -1
+            worst[s] = max(worst[s], held[s])
+        assert len(log) == 2 * 2 * 8
+    if with_waits:
+        assert worst[0] <= 2 and worst[1] <= 1, worst
+    else:
+        assert worst[0] > 2, worst
