@@ -88,13 +88,14 @@ class _Logged(keras.layers.Layer):
 
     def __init__(self, stage, log, **kwargs):
         super().__init__(**kwargs)
-        self.stage, self.log = stage, log
+        # A bound method, not the list: Keras would track (copy) a list attribute.
+        self.stage, self.append = stage, log.append
 
     def call(self, x):
         def record(kind):
             def write(t):
                 with _LOCK:
-                    self.log.append((kind, self.stage))
+                    self.append((kind, self.stage))
                 return t
 
             return write
@@ -124,8 +125,8 @@ def test_each_stage_holds_what_one_f_one_b_allows(with_waits, cpu_devices, monke
     if not with_waits:
         monkeypatch.setattr(micro_batch_loop._Tokens, "before", lambda *a: [])
     log: list = []
-    layers = mlp_layers(depth=1)
-    layers = [layers[0], _Logged(0, log), keras.layers.Dense(12, activation="tanh"), _Logged(1, log), layers[1]]
+    first, last = mlp_layers(depth=1)
+    layers = [first, _Logged(0, log), keras.layers.Dense(12, activation="tanh"), _Logged(1, log), last]
     pm = tf_gpipe.PipelineModel(
         layers, num_stages=2, num_micro_batches=8, schedule="1f1b", remat="never", devices=cpu_devices[:2]
     )
