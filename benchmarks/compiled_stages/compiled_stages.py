@@ -53,6 +53,8 @@ flags.DEFINE_list("micro_batches", ["1", "4", "16", "32"], "M values for the fir
 flags.DEFINE_integer("stages", 4, "K for the first-step and accum measurements.")
 flags.DEFINE_integer("accum_m", 16, "M for the accum measurement.")
 flags.DEFINE_string("accum_remat", "never", "remat of the pipeline in the accum measurement.")
+flags.DEFINE_string("loop_schedule", "gpipe", "Schedule of the loop measurement.")
+flags.DEFINE_string("loop_remat", "always", "remat of the loop measurement.")
 flags.DEFINE_integer("repeats", 1, "Fresh processes per first-step configuration.")
 flags.DEFINE_bool("gpu", False, "Split the GPU into --stages logical GPUs for the K>1 rows.")
 flags.DEFINE_integer("gpu_memory_mb", 16000, "Memory of each logical GPU with --gpu.")
@@ -76,7 +78,7 @@ def _setup_devices(k):
     return [d.name for d in tf.config.list_logical_devices("GPU")][:k]
 
 
-def _model(kind, k=1, m=1, devices=None, remat="always", jit=None, micro_batch_loops=False):
+def _model(kind, k=1, m=1, devices=None, remat="always", jit=None, micro_batch_loops=False, schedule="gpipe"):
     """A compiled model on the same seeded layers: "pipe", "seq" or "accum" (plain micro-batching)."""
     import keras
     import numpy as np
@@ -110,6 +112,8 @@ def _model(kind, k=1, m=1, devices=None, remat="always", jit=None, micro_batch_l
             devices=devices,
             remat=remat,
             micro_batch_loops=micro_batch_loops,
+            schedule=schedule,
+            virtual_stages=2 if schedule == "interleaved" else 1,
         )
     else:
         model = (Accumulating if kind == "accum" else keras.Sequential)(layers)
@@ -214,12 +218,21 @@ def measure_loop():
     for name, micro_batch_loops in (("loop", True), ("built out", False)):
         label = f"PipelineModel K={K} M={M} ({name})"
         models[label] = model = _model(
-            "pipe", K, M, devices, remat="always", micro_batch_loops=micro_batch_loops
+            "pipe",
+            K,
+            M,
+            devices,
+            remat=FLAGS.loop_remat,
+            micro_batch_loops=micro_batch_loops,
+            schedule=FLAGS.loop_schedule,
         )
         model.train_on_batch(x, y)
     names = list(models)
     models[names[1]].set_weights(models[names[0]].get_weights())
-    title = f"### Steady step, jit_compile={_jit()!r}, remat='always': GPipe's loop vs built out"
+    title = (
+        f"### Steady step, jit_compile={_jit()!r}, schedule={FLAGS.loop_schedule!r}, "
+        f"remat={FLAGS.loop_remat!r}: loops over micro-batches vs built out"
+    )
     with tf.device(devices[0]):
         return {"times_s": _alternate(models, names[1], title)}
 
