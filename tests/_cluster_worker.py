@@ -37,14 +37,14 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.python.eager import context  # noqa: E402
 
 import tf_gpipe  # noqa: E402
-from tf_gpipe import cluster, loop  # noqa: E402
+from tf_gpipe import cluster, micro_batch_loop  # noqa: E402
 
 EXIT_WORKER_FAILED = 3
 
-# Training steps built as GPipe's loops over micro-batches (tf_gpipe.loop, the default for
-# GPipe with remat="always" where every stage is on a CPU, a worker's included).
+# Training steps built as loops over micro-batches (tf_gpipe.micro_batch_loop, the default
+# where every stage is on a CPU, a worker's included).
 LOOP_BUILDS: list[int] = []
-_run_loop = loop.run
+_run_loop = micro_batch_loop.run
 
 
 def _counted_loop_run(*args, **kwargs):
@@ -52,7 +52,7 @@ def _counted_loop_run(*args, **kwargs):
     return _run_loop(*args, **kwargs)
 
 
-loop.run = _counted_loop_run
+micro_batch_loop.run = _counted_loop_run
 
 
 def make_layers(width: int, depth: int, dropout: bool, seed: int = 7) -> list:

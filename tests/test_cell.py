@@ -375,9 +375,9 @@ def test_all_stage_scope_ops_run_on_stage_devices_during_fit(fit_placement_log, 
     assert misplaced == [], misplaced[:20]
 
 
-# The loops over clock ticks (tf_gpipe.loop, the default for GPipe with remat="always" on
-# CPUs): "gpipe_forward/while/stage1_forward/cond/..." around each stage's call, and the
-# function bodies' own "stage1_forward/..." and "stage1_replay/..." scopes.
+# The loops over micro-batches (tf_gpipe.micro_batch_loop, the default on CPUs):
+# ".../while/stage1_forward/..." around each stage's call, and the function bodies' own
+# "stage1_forward/..." and "stage1_replay/..." scopes.
 _LOOP_SCOPE = re.compile(r"(?:^|/)stage(\d+)_(forward|backward|replay)/")
 _INLINED_ARGUMENT = re.compile(r"/input/_\d+$")
 

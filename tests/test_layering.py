@@ -128,7 +128,7 @@ def test_no_module_imports_the_package_inside_a_function():
 
 def test_the_graph_resolves_every_kind_of_import():
     graph = import_graph(_sources())
-    assert "tf_gpipe.loop" in graph["tf_gpipe.executor"]  # from tf_gpipe import loop
+    assert "tf_gpipe.micro_batch_loop" in graph["tf_gpipe.executor"]  # from tf_gpipe import micro_batch_loop
     assert "tf_gpipe.balance" in graph["tf_gpipe.model"]  # from tf_gpipe.balance import ...
     assert "tf_gpipe.balance.profile" in graph["tf_gpipe.balance"]  # the package's __init__
     assert len(graph) > 40

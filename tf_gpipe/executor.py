@@ -1,6 +1,10 @@
 """Turn a schedule (plain data) into the ops of one training step.
 
-Every (stage, micro-batch) forward and backward is built explicitly, in an
+Where the loops over micro-batches apply (``tf_gpipe.micro_batch_loop``: M >= 2, every
+schedule, dense inputs, no timeline; on CPUs by default), they build the step, and its
+graph does not grow with M. Elsewhere (one micro-batch, a timeline, eager steps, GPipe with
+taped stages, GPU stages unless asked) every (stage, micro-batch) forward and backward is
+built out, in an
 order consistent with the schedule, and each device's actions are chained with
 control dependencies so the device runs them in the schedule's order: that is
 what bounds the stashed activations of 1F1B to K per device, where plain
@@ -13,9 +17,6 @@ differentiates w.r.t. the weights only and adds them to the gradient sums. A
 re-materialized stage replays its forward in both (twice the recomputation of a full
 backward: simple and exact, not free); a stage on a tape keeps its record until W, which
 differentiates the taped call again, first-order (``remat.backward``).
-
-GPipe with every stage re-materialized is built by ``tf_gpipe.loop`` instead: two loops
-over micro-batches, 2K stage-function call sites whatever M.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import loop, micro_batch_loop, ordering, remat, replay, sparse, stage
+from tf_gpipe import micro_batch_loop, ordering, remat, replay, sparse, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
@@ -34,7 +35,7 @@ __all__: list[str] = []
 # Loss hooks the model supplies. Either the whole mini-batch loss once every forward
 # is done (fill-drain only), or a loss per micro-batch right after its last forward.
 # Both get the Keras masks of the outputs too: a loss over padded sequences needs them.
-BatchLossFn = Callable[[list[Any], list[Any]], list[list[tf.Tensor | None]]]
+BatchLossFn = micro_batch_loop.BatchLossFn
 MicroLossFn = micro_batch_loop.MicroLossFn
 
 
@@ -102,9 +103,8 @@ def run_schedule(
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
         micro_batch_loops: build the step as loops over micro-batches where they apply
-            (``tf_gpipe.loop`` for GPipe with every stage re-materialized,
-            ``tf_gpipe.micro_batch_loop`` for a per-micro-batch loss): True, False, or
-            "auto" (where every stage is on a CPU; ``loop.chosen``).
+            (``tf_gpipe.micro_batch_loop``): True, False, or "auto" (where every stage is
+            on a CPU; ``micro_batch_loop.chosen``).
         targets: per micro-batch, what ``micro_loss`` reads besides the outputs.
 
     Returns:
@@ -118,22 +118,17 @@ def run_schedule(
             f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
             f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
         )
+    per_micro_batch = micro_loss is not None
     if (
         micro_batch_loops
-        and loop.chosen(micro_batch_loops, cells)
-        and loop.applies(schedule, cells, split, masks, rematerializes, sides, tracer)
+        and micro_batch_loop.chosen(micro_batch_loops, cells)
+        and micro_batch_loop.applies(
+            schedule, cells, split, masks, rematerializes, sides, targets, per_micro_batch, tracer
+        )
     ):
-        # GPipe with every stage re-materialized: 2K call sites, not O(K x M).
-        got = loop.run(schedule, cells, split, masks, sides, batch_loss, cell_loss_grads, deferred)  # type: ignore[arg-type]
-        return (*got, [])
-    if (
-        micro_batch_loops
-        and micro_loss is not None
-        and loop.chosen(micro_batch_loops, cells)
-        and micro_batch_loop.applies(schedule, cells, split, masks, sides, targets, tracer)
-    ):
-        loss = (targets, micro_loss, cell_loss_grads)
-        return micro_batch_loop.run(schedule, cells, split, masks, rematerializes, sides, *loss, deferred)  # type: ignore[arg-type]
+        # 2K (or 3K) stage call sites whatever M, not one per action.
+        loss = (targets, micro_loss, batch_loss, cell_loss_grads)
+        return micro_batch_loop.run(schedule, cells, split, masks, rematerializes, sides, *loss, deferred)
     records: dict[tuple[int, int], replay.Record] = {}
     grads_in: dict[tuple[int, int], list[tf.Tensor | None]] = {}
     outputs: list[Any] = [None] * M

@@ -1,4 +1,4 @@
-"""A stage's variable handles as one loop variable per device (``tf_gpipe.loop``).
+"""A stage's variable handles as one loop variable per device (``tf_gpipe.micro_batch_loop``).
 
 A stage function captures a resource handle for every variable it reads or writes (its
 weights, their gradient sums, seed-generator states, BatchNormalization statistics). Called

@@ -1,6 +1,6 @@
 """What a pipeline loop carries from one iteration to the next, and the loop itself.
 
-``tf_gpipe.loop`` builds GPipe's step as two ``tf.while_loop``s over micro-batches. Their
+``tf_gpipe.micro_batch_loop`` builds a step as ``tf.while_loop``s over micro-batches. Their
 loop variables are flat lists of tensors, so every structure a stage passes on (its
 outputs, masks, side inputs, losses, the state its forward read) travels as a ``Layout``:
 flattened without its Nones, with the specs its loop variables need, and unflattened in

@@ -1,31 +1,35 @@
-"""A schedule whose loss is per micro-batch (1F1B, interleaved, ZB-H1) as one loop over micro-batches.
+"""A training step as loops over micro-batches: a graph, and a first step, flat in M.
 
 Built out, a step holds one stage-function call per action: O(K x M) call ops, and
 TensorFlow instantiates and optimizes a stateful function's body once per call site, so
-the first step grows with M. Here the step is one ``tf.while_loop`` whose iteration
-``m`` runs every action of micro-batch ``m``:
+the first step grows with M (benchmarks/first_step/README.md). Here the step is a
+``tf.while_loop`` whose iteration ``m`` runs micro-batch ``m``'s actions, as many stage
+calls as one micro-batch needs, whatever M, each inlined (``stage.inlined``):
 
-    iteration m:  F(m)@s0 ─► F(m)@s1 ─► ... ─► loss(m) ─► B(m)@s_last ─► ... ─► B(m)@s0
+* a schedule whose loss is per micro-batch (1F1B, interleaved, ZB-H1; any remat mode): one
+  loop, ``F(m)@s0 ─► ... ─► F(m)@s_last ─► loss(m) ─► B(m)@s_last ─► ... ─► B(m)@s0``;
+* GPipe, whose loss sees the whole mini-batch (every stage re-materialized): a loop of
+  forwards, the loss, a loop of backwards. What a backward needs of its forward (its
+  inputs, mask, side inputs and the state it read) waits in TensorArrays on the stage's
+  device, freed once read.
 
-as many stage calls as one micro-batch needs, whatever M, each inlined (``stage.inlined``).
 Every iteration may run at once (``parallel_iterations``): what overlaps micro-batches
-across stages is dataflow. What keeps each device to the schedule is
+across stages is dataflow. What holds each device to its schedule is
 ``schedules.loop_waits``: each action waits for the actions of its device that the
-schedule puts before it, in its own or an earlier micro-batch (``F(m)@s`` after
-``B(m - K + s)@s`` in 1F1B: at most K - s micro-batches in flight), the tokens of the last
-few iterations travelling as loop variables. Each stage's actions of one kind run in
-micro-batch order (its forwards read what the previous one wrote: random draws,
-statistics; its backwards add to the gradient sums in order), so the step computes
-what the built-out step computes.
+schedule puts before it in its own or an earlier micro-batch (``F(m)@s`` after
+``B(m - K + s)@s`` in 1F1B: at most K - s micro-batches in flight), their tokens travelling
+as loop variables. Each stage's actions of one kind run in micro-batch order (a forward
+reads what the previous one wrote: random draws, statistics; a backward adds to the
+gradient sums after the previous one), so the step computes what the built-out one does.
 
 A stage that keeps its activations (``remat="never"``) runs its taped forward and its
-gradient in the same iteration: the tape never leaves the loop body, and the K - s
+gradient in one iteration: the tape never leaves the loop body, and the K - s
 micro-batches a 1F1B stage holds are the iterations in flight.
 
-What leaves an iteration (the last stage's outputs, layer losses, loss terms, sparse
-gradient rows, BatchNormalization moments) has a structure known only once the body is
-traced; the body is traced once more for it, as a function that is never called
-(``_emitted``): the stage functions' traces are shared, so that costs the glue only.
+What leaves an iteration (outputs, layer losses, loss terms, gradient rows,
+BatchNormalization moments, a GPipe stage's stash) has a structure known once the body is
+traced; ``_loop`` traces it once more for it, as a function never called: the stage
+functions' traces are shared, so that costs the glue only.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import batchnorm, handles, loop_state, ordering, remat, sparse, stage
+from tf_gpipe import batchnorm, handles, loop_state, ordering, remat, replay, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -46,6 +50,20 @@ __all__: list[str] = []
 # Given a micro-batch's last-stage outputs, their mask and its target (the trainer's),
 # the gradients of its loss w.r.t. the outputs and the terms to sum over micro-batches.
 MicroLossFn = Callable[[Any, Any, Any], tuple[list[tf.Tensor | None], list[tf.Tensor | None]]]
+# Given every micro-batch's last-stage outputs and masks, each one's loss gradients.
+BatchLossFn = Callable[[list[Any], list[Any]], list[list[tf.Tensor | None]]]
+
+
+def chosen(setting: bool | str, cells: Sequence[Cell]) -> bool:
+    """Whether ``PipelineModel(micro_batch_loops=setting)`` asks for the loops on these stages.
+
+    ``"auto"`` asks for them where every stage is on a CPU: the loops have not run on a
+    GPU yet (none was available while they were built), so GPU stages keep the step
+    built out, one call per (stage, micro-batch), unless ``micro_batch_loops=True``.
+    """
+    if setting == "auto":
+        return all(tf.DeviceSpec.from_string(c.device or "").device_type == "CPU" for c in cells)
+    return bool(setting)
 
 
 def applies(
@@ -53,65 +71,146 @@ def applies(
     cells: Sequence[Cell],
     split: Split,
     masks: Sequence[Any],
+    rematerializes: Callable[[int], bool],
     sides: Sequence[Any] | None,
     targets: Sequence[Any] | None,
+    per_micro_batch: bool,
     tracer: Any,
 ) -> bool:
     """Whether ``run`` builds this step (else every action is built out)."""
-    if targets is None or tracer is not None or tf.executing_eagerly() or len(split) < 2:
+    if tracer is not None or tf.executing_eagerly() or len(split) < 2:
         return False
     if any(getattr(c, "run_eagerly", False) for c in cells):
         return False
+    if not per_micro_batch and not all(rematerializes(s) for s in range(len(cells))):
+        return False  # a tape cannot wait between two loops
     try:
-        loop_waits.waits(schedule)
+        waits = loop_waits.waits(schedule)
     except ValueError:
         return False
+    if not per_micro_batch and any(w.kind == "F" and w.on_kind != "F" for w in waits):
+        return False  # a forward waiting for a backward needs both in one loop
     # TensorArrays hold dense tensors only (no SparseTensor or RaggedTensor input).
-    leaves = tf.nest.flatten((split.chunks, list(masks), list(sides or []), list(targets)))
+    leaves = tf.nest.flatten((split.chunks, list(masks), list(sides or []), list(targets or [])))
     return all(t is None or isinstance(t, tf.Tensor) for t in leaves)
 
 
 class _Tokens:
-    """Each (kind, stage)'s tokens of the last iterations, as loop variables: ``get(key, lag)``
-    is the token of micro-batch ``m - lag``, ready once that action is done."""
+    """Each (kind, stage)'s tokens of the last iterations, as loop variables: ``before``
+    gives an action what it waits for, in this iteration (``now``) or an earlier one."""
 
     def __init__(self, waits: list[loop_waits.Wait], cells: Sequence[Cell]):
         self.waits = waits
+        self.cells = cells
         self.depth: dict[tuple[str, int], int] = {}
         for w in waits:
             key = (w.on_kind, w.on_stage)
             self.depth[key] = max(self.depth.get(key, 0), w.lag)
-        self.cells = cells
 
-    def initial(self) -> dict[Any, list[tf.Tensor]]:
+    def initial(self, kinds: str) -> dict[Any, list[tf.Tensor]]:
         state = {}
         for (kind, s), depth in self.depth.items():
-            if depth:
+            if depth and kind in kinds:
                 with tf.device(self.cells[s].device):
                     state["token", kind, s] = [tf.constant(True) for _ in range(depth)]
         return state
 
     def before(self, state: dict, now: dict, kind: str, s: int) -> list[tf.Tensor]:
-        """What ``(kind, s)`` of this iteration waits for: ``now`` holds this iteration's tokens."""
         found = []
         for w in self.waits:
-            if (w.kind, w.stage) != (kind, s):
-                continue
-            if w.lag == 0:
-                found.append(now[w.on_kind, w.on_stage])
-            else:
-                found.append(state["token", w.on_kind, w.on_stage][-w.lag])
+            if (w.kind, w.stage) == (kind, s):
+                found.append(
+                    now[w.on_kind, w.on_stage]
+                    if w.lag == 0
+                    else state["token", w.on_kind, w.on_stage][-w.lag]
+                )
         return found
 
     def advance(self, state: dict, now: dict) -> None:
-        for (kind, s), depth in self.depth.items():
-            if depth:
+        for kind, s in now:
+            if self.depth.get((kind, s)):
                 state["token", kind, s] = state["token", kind, s][1:] + [now[kind, s]]
 
 
 def _token(*structures: Any) -> tf.Tensor:
     with tf.control_dependencies(ordering.done(*structures)):
         return tf.constant(True)
+
+
+class _Emitted:
+    """What a loop's iterations emit, per key: ``each`` value into a TensorArray (one entry
+    per micro-batch), or a running ``sum``, or BatchNormalization moments ``pool``ed.
+
+    ``emit`` takes ``{key: (how, device, structure)}``."""
+
+    def __init__(self, meta: dict, values: dict, M: int):
+        self.how = {k: how for k, (how, _) in meta.items()}
+        self.device = {k: device for k, (_, device) in meta.items()}
+        self.layouts = {k: loop_state.Layout(value) for k, value in values.items()}
+        self.M = M
+
+    def initial(self) -> dict:
+        state = {}
+        for k, layout in self.layouts.items():
+            with tf.device(self.device[k]):
+                state["emitted", k] = layout.arrays(self.M) if self.how[k] == "each" else layout.zeros()
+        return state
+
+    def add(self, state: dict, m: tf.Tensor, got: dict) -> None:
+        for k, (how, device, value) in got.items():
+            layout, key = self.layouts[k], ("emitted", k)
+            with tf.device(device):
+                if how == "each":
+                    state[key] = loop_state.write(state[key], m, layout.compress(value))
+                elif how == "sum":
+                    state[key] = [a + b for a, b in zip(state[key], layout.compress(value))]
+                elif layout.positions:  # pooled in micro-batch order, as the built-out step pools
+                    state[key] = batchnorm.merge(state[key], layout.compress(value))
+
+    def each(self, state: dict, k: Any) -> list[Any]:
+        """The M values emitted under ``k``, in micro-batch order."""
+        layout = self.layouts[k]
+        with tf.device(self.device[k]):
+            return [layout.expand(layout.read(state["emitted", k], m)) for m in range(self.M)]
+
+    def total(self, state: dict, k: Any) -> Any:
+        return self.layouts[k].expand(state["emitted", k])
+
+
+def _loop(
+    M: int, device: str, state: dict, iteration: Callable[[tf.Tensor, dict], dict]
+) -> tuple[_Emitted, dict]:
+    """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: it updates
+    ``state`` (loop variables: tensors and TensorArrays) and returns what it emits
+    (``_Emitted``). Returns the emitted values' accumulator and the final state."""
+    keys = sorted(state, key=repr)
+    specs = {k: [tf.type_spec_from_value(v) for v in state[k]] for k in keys}
+
+    meta: dict = {}
+
+    def probe(m, *flat):
+        it = iter(flat)
+        got = iteration(m, {k: [next(it) for _ in specs[k]] for k in keys})
+        meta.update({k: (how, device) for k, (how, device, _) in got.items()})
+        return {k: value for k, (_, _, value) in got.items()}
+
+    signature = [tf.TensorSpec([], tf.int32)] + [s for k in keys for s in specs[k]]
+    with handles.collected() as captured:
+        values = tf.function(probe, autograph=False).get_concrete_function(*signature).structured_outputs
+    out = _Emitted(meta, values, M)
+    # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
+    packed = handles.pack(captured)
+    state = {**state, **out.initial(), "handles": packed.tensors}
+    with tf.device(device):
+        state["micro_batch", 0] = [tf.constant(0)]
+
+    def body(_: tf.Tensor) -> None:
+        m = loop_state.count(state, 0)
+        with handles.replaced(handles.unpack(packed, state["handles"])):
+            out.add(state, m, iteration(m, state))
+
+    loop_state.run(state, M, body, {})
+    return out, state
 
 
 def run(
@@ -121,232 +220,249 @@ def run(
     masks: Sequence[Any],
     rematerializes: Callable[[int], bool],
     sides: Sequence[Any] | None,
-    targets: Sequence[Any],
-    micro_loss: MicroLossFn,
+    targets: Sequence[Any] | None,
+    micro_loss: MicroLossFn | None,
+    batch_loss: BatchLossFn | None,
     cell_loss_grads: Sequence[tf.Tensor] | None,
     deferred: DeferredStats | None,
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]], list[list[Any]]]:
-    """Build one step of ``schedule``; arguments and results as ``executor.run_schedule``'s,
-    ``targets`` being each micro-batch's data for ``micro_loss``. The loss terms come back
-    summed over the micro-batches (one row)."""
+    """Build one step of ``schedule``; arguments and results as ``executor.run_schedule``'s.
+    With ``micro_loss`` one loop, the loss terms summed over the micro-batches (one row);
+    else GPipe's two loops around ``batch_loss``."""
     with stage.inlined():
-        return _run(
-            schedule,
-            cells,
-            split,
-            masks,
-            rematerializes,
-            sides,
-            targets,
-            micro_loss,
-            cell_loss_grads,
-            deferred,
+        return _Step(
+            schedule, cells, split, masks, rematerializes, sides, targets, cell_loss_grads, deferred
+        ).run(micro_loss, batch_loss)
+
+
+class _Step:
+    def __init__(
+        self, schedule, cells, split, masks, rematerializes, sides, targets, cell_loss_grads, deferred
+    ):
+        self.cells, self.M = list(cells), len(split)
+        self.rematerializes, self.deferred = rematerializes, deferred
+        self.halves = bool(getattr(schedule, "split_backward", False))
+        self.tokens = _Tokens(loop_waits.waits(schedule), cells)
+        # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
+        # several, or unknown, they share a leading dimension of unknown size.
+        shapes = {
+            tuple(tuple(t.shape.as_list()) for t in tf.nest.flatten(c) if t is not None) for c in split.chunks
+        }
+        self.relax = len(shapes) != 1 or any(None in shape for shape in next(iter(shapes)))
+        M = self.M
+        sides = list(sides) if sides is not None else [None] * M
+        targets = list(targets) if targets is not None else [None] * M
+        flags = [split.nonempty(m) for m in range(M)]
+        self.nonempty_all = None
+        if split.padded:
+            self.nonempty_all = tf.stack([tf.constant(True) if f is None else f for f in flags])
+        self.loss_weights = None if cell_loss_grads is None else tf.stack(list(cell_loss_grads))
+        chunks = [(split.chunks[m], masks[m], sides[m], targets[m]) for m in range(M)]
+        self.data, self.arrays = self._stacked(chunks, cells[0].device, self.relax)
+        self.input_specs: dict[int, Any] = {}
+
+    def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list]:
+        layout = loop_state.Layout(values[0], relax)
+        with tf.device(device):
+            arrays = layout.arrays(self.M)
+            for m, value in enumerate(values):
+                arrays = loop_state.write(arrays, m, layout.compress(value))
+        return layout, arrays
+
+    def _nonempty(self, m):
+        return None if self.nonempty_all is None else self.nonempty_all[m]
+
+    # ---------------------------------------------------------------- one stage's actions
+    def forward(self, s, x, mask, side, m, state, now, emit):
+        cell = self.cells[s]
+        with tf.device(cell.device), tf.name_scope(f"stage{s}_forward"):
+            x = ordering.after(self.tokens.before(state, now, "F", s), x)
+            local = DeferredStats() if self.deferred is not None else None
+            rec = remat.forward(
+                cell,
+                x,
+                mask,
+                True,
+                remat=self.rematerializes(s),
+                nonempty=self._nonempty(m),
+                deferred=local,
+                side=side,
+                persistent=self.halves,
+                input_grads=s > 0,
+            )
+            now["F", s] = _token(rec.outputs)
+        self.input_specs.setdefault(s, sparse.relaxed_specs((rec.inputs, rec.mask, rec.side)))
+        emit["losses", s] = ("each", cell.device, list(rec.losses))
+        emit["moments", s] = (
+            "pool",
+            cell.device,
+            [] if local is None else [list(v) for _, v in local.sums()],
         )
+        return rec
 
-
-def _run(
-    schedule, cells, split, masks, rematerializes, sides, targets, micro_loss, cell_loss_grads, deferred
-):
-    S, M = len(cells), len(split)
-    halves = bool(getattr(schedule, "split_backward", False))
-    tokens = _Tokens(loop_waits.waits(schedule), cells)
-    # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
-    # several, or unknown, they share a leading dimension of unknown size.
-    shapes = {
-        tuple(tuple(t.shape.as_list()) for t in tf.nest.flatten(c) if t is not None) for c in split.chunks
-    }
-    relax = len(shapes) != 1 or any(None in shape for shape in next(iter(shapes)))
-    sides = list(sides) if sides is not None else [None] * M
-    flags = [split.nonempty(m) for m in range(M)]
-    nonempty_all = None
-    if split.padded:
-        nonempty_all = tf.stack([tf.constant(True) if f is None else f for f in flags])
-    loss_weights = None if cell_loss_grads is None else tf.stack(list(cell_loss_grads))
-    data = loop_state.Layout((split.chunks[0], masks[0], sides[0], targets[0]), relax)
-    with tf.device(cells[0].device):
-        arrays = data.arrays(M)
-        for m in range(M):
-            chunk = (split.chunks[m], masks[m], sides[m], targets[m])
-            arrays = loop_state.write(arrays, m, data.compress(chunk))
-    input_specs: dict[int, Any] = {}
-
-    def iteration(m: tf.Tensor, state: dict) -> dict[str, Any]:
-        """Micro-batch ``m``'s actions; updates ``state`` (tokens, sum tokens) and returns
-        what leaves the iteration."""
-        x, mask, side, target = data.expand(data.read(arrays, m))
-        nonempty = None if nonempty_all is None else nonempty_all[m]
-        now: dict[tuple[str, int], tf.Tensor] = {}
-        records, found, losses = [], [], []
-        for s, cell in enumerate(cells):
-            with tf.device(cell.device), tf.name_scope(f"stage{s}_forward"):
-                x = ordering.after(tokens.before(state, now, "F", s), x)
-                local = DeferredStats() if deferred is not None else None
-                rec = remat.forward(
+    def backward(self, s, rec, dy, m, n_losses, state, now, emit):
+        """Stage ``s``'s backward of micro-batch ``m`` (its B and W, when split); returns the
+        gradients of its inputs."""
+        cell = self.cells[s]
+        weight = None if self.loss_weights is None else self.loss_weights[m]
+        if n_losses and weight is None:
+            raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
+        loss_grads = [weight] * n_losses
+        halves = self.halves
+        with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):
+            go = self.tokens.before(state, now, "B", s)
+            in_grads: list[Any] = []
+            if not (halves and s == 0):  # stage 0's input needs no gradient: no B to run
+                in_grads, result = remat.backward(
                     cell,
-                    x,
-                    mask,
+                    rec,
+                    ordering.after(go, list(dy)),
+                    ordering.after(go, loss_grads),
                     True,
-                    remat=rematerializes(s),
-                    nonempty=nonempty,
-                    deferred=local,
-                    side=side,
-                    persistent=halves,
-                    input_grads=s > 0,
+                    [] if halves else cell.trainable_variables,
+                    need_input_grads=s > 0,
+                    to_sums=not halves,
+                    need_weight_grads=not halves,
+                    after=None if halves else state["sums", s][0],
                 )
-                now["F", s] = _token(rec.outputs)
-            input_specs.setdefault(s, sparse.relaxed_specs((rec.inputs, rec.mask, rec.side)))
-            records.append(rec)
-            found.append([] if local is None else [list(sums) for _, sums in local.sums()])
-            losses.append(list(rec.losses))
-            x, mask = rec.outputs, rec.out_mask
-        with tf.device(cells[-1].device), tf.name_scope("loss"):
-            dy, terms = micro_loss(x, mask, target)
-        rows: list[list[Any]] = []
-        for s in reversed(range(S)):
-            cell, rec = cells[s], records[s]
-            weight = None if loss_weights is None else loss_weights[m]
-            loss_grads = [weight] * len(rec.losses)
-            if rec.losses and weight is None:
-                raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
-            with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):
-                go = tokens.before(state, now, "B", s)
-                in_grads: list[Any] = []
-                if not (halves and s == 0):  # stage 0's input needs no gradient: no B to run
-                    in_grads, result = remat.backward(
-                        cell,
-                        rec,
-                        ordering.after(go, list(dy)),
-                        ordering.after(go, loss_grads),
-                        True,
-                        [] if halves else cell.trainable_variables,
-                        need_input_grads=s > 0,
-                        to_sums=not halves,
-                        need_weight_grads=not halves,
-                        after=None if halves else state["sums", s][0],
-                    )
-                if halves:
-                    now["B", s] = _token(in_grads) if s > 0 else _token(go, dy)
-                    go = tokens.before(state, now, "W", s)
-                    _, result = remat.backward(
-                        cell,
-                        rec,
-                        ordering.after(go, list(dy)),
-                        ordering.after(go, loss_grads),
-                        True,
-                        cell.trainable_variables,
-                        need_input_grads=False,
-                        to_sums=True,
-                        after=state["sums", s][0],
-                    )
-                token, grads = result
-                state["sums", s] = [token]
-                now["W" if halves else "B", s] = token
-            rows.insert(0, [None if g is None else (g.values, g.indices) for g in grads])
-            dy = in_grads
-        tokens.advance(state, now)
-        return {"out": (x, mask), "losses": losses, "terms": terms, "moments": found, "rows": rows}
+            if halves:
+                now["B", s] = _token(in_grads) if s > 0 else _token(go, dy)
+                go = self.tokens.before(state, now, "W", s)
+                _, result = remat.backward(
+                    cell,
+                    rec,
+                    ordering.after(go, list(dy)),
+                    ordering.after(go, loss_grads),
+                    True,
+                    cell.trainable_variables,
+                    need_input_grads=False,
+                    to_sums=True,
+                    after=state["sums", s][0],
+                )
+            token, grads = result
+            state["sums", s] = [token]
+            now["W" if halves else "B", s] = token
+        for i, g in enumerate(grads):
+            if g is not None:  # rows: kept apart per micro-batch, not summed into a dense tensor
+                emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
+        return in_grads
 
-    # ------------------------------------------------ what leaves an iteration: its structure
-    def sums_state() -> dict:
-        state = tokens.initial()
-        for s, cell in enumerate(cells):
+    def _sums(self) -> dict:
+        state = {}
+        for s, cell in enumerate(self.cells):
             with tf.device(cell.device):
                 state["sums", s] = [stage.functions(cell).sums.zero(inline=True)]
         return state
 
-    start = sums_state()
-    probe_state = {k: [tf.TensorSpec([], tf.bool) for _ in v] for k, v in start.items()}
-    keys = sorted(probe_state, key=repr)
+    # ---------------------------------------------------------------------------- the step
+    def run(self, micro_loss, batch_loss):
+        S, M, cells = len(self.cells), self.M, self.cells
 
-    def probe(m, *flat):
-        it = iter(flat)
-        state = {k: [next(it) for _ in probe_state[k]] for k in keys}
-        return iteration(m, state)
+        def read(m):
+            return self.data.expand(self.data.read(self.arrays, m))
 
-    specs = [tf.TensorSpec([], tf.int32)] + [s for k in keys for s in probe_state[k]]
-    with handles.collected() as captured:
-        emitted = tf.function(probe, autograph=False).get_concrete_function(*specs).structured_outputs
-    # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
-    packed = handles.pack(captured)
-    out = loop_state.Layout(emitted["out"], relax)
-    losses = [loop_state.Layout(row) for row in emitted["losses"]]
-    terms = loop_state.Layout(emitted["terms"])
-    moments = [loop_state.Layout(row) for row in emitted["moments"]]
-    rows = [[None if r is None else loop_state.Layout(r, relax=True) for r in row] for row in emitted["rows"]]
+        if micro_loss is not None:
 
-    # ------------------------------------------------------------------------- the loop
-    state = start
-    with tf.device(cells[-1].device):
-        state["out"] = out.arrays(M)
-        state["terms"] = terms.zeros()
-    with tf.device(cells[0].device):
-        state["micro_batch", 0] = [tf.constant(0)]
-    state["handles"] = packed.tensors
-    for s, cell in enumerate(cells):
-        with tf.device(cell.device):
-            state["losses", s] = losses[s].arrays(M)
-            state["moments", s] = moments[s].zeros()
-            for i, layout in enumerate(rows[s]):
-                if layout is not None:
-                    state["rows", s, i] = layout.arrays(M)
+            def iteration(m, state):
+                x, mask, side, target = read(m)
+                now, emit, records = {}, {}, []
+                for s in range(S):
+                    records.append(self.forward(s, x, mask, side, m, state, now, emit))
+                    x, mask = records[s].outputs, records[s].out_mask
+                with tf.device(cells[-1].device), tf.name_scope("loss"):
+                    dy, terms = micro_loss(x, mask, target)
+                emit["out",] = ("each", cells[-1].device, (x, mask))
+                emit["terms",] = ("sum", cells[-1].device, terms)
+                for s in reversed(range(S)):
+                    dy = self.backward(s, records[s], dy, m, len(records[s].losses), state, now, emit)
+                self.tokens.advance(state, now)
+                return emit
 
-    def body(_: tf.Tensor) -> None:
-        m = loop_state.count(state, 0)
-        with handles.replaced(handles.unpack(packed, state["handles"])):
-            got = iteration(m, state)
-        with tf.device(cells[-1].device):
-            state["out"] = loop_state.write(state["out"], m, out.compress(got["out"]))
-            state["terms"] = [a + b for a, b in zip(state["terms"], terms.compress(got["terms"]))]
+            out, state = _loop(M, cells[0].device, {**self.tokens.initial("FBW"), **self._sums()}, iteration)
+            return self._results([(out, state)], [out.total(state, ("terms",))])
+
+        def forwards(m, state):
+            x, mask, side, _ = read(m)
+            now, emit = {}, {}
+            for s in range(S):
+                rec = self.forward(s, x, mask, side, m, state, now, emit)
+                emit["stash", s] = ("each", cells[s].device, (rec.inputs, rec.mask, rec.side, rec.before))
+                x, mask = rec.outputs, rec.out_mask
+            emit["out",] = ("each", cells[-1].device, (x, mask))
+            self.tokens.advance(state, now)
+            return emit
+
+        first = _loop(M, cells[0].device, self.tokens.initial("F"), forwards)
+        outputs, out_masks = zip(*first[0].each(first[1], ("out",)))
+        with tf.device(cells[-1].device), tf.name_scope("loss"):
+            grads = batch_loss(list(outputs), list(out_masks))
+        given, given_arrays = self._stacked(grads, cells[-1].device, self.relax)
+        stash = {s: first[0].layouts["stash", s] for s in range(S)}
+        n_losses = [len(first[0].layouts["losses", s].positions) for s in range(S)]
+
+        def backwards(m, state):
+            now, emit = {}, {}
+            dy = given.expand(given.read(given_arrays, m))
+            for s in reversed(range(S)):
+                with tf.device(cells[s].device):
+                    held = state["stash", s]
+                    x, mask, side, before = stash[s].expand(stash[s].read(held, m))
+                    # Dropped after this backward, as the built-out step drops each record.
+                    state["stash", s] = stash[s].free(held, m)
+                rec = replay.Record(
+                    inputs=x,
+                    mask=mask,
+                    outputs=None,
+                    out_mask=None,
+                    losses=[],
+                    nonempty=self._nonempty(m),
+                    side=side,
+                    before=before,
+                    training=True,
+                    deferred=self.deferred is not None,
+                )
+                dy = self.backward(s, rec, dy, m, n_losses[s], state, now, emit)
+            self.tokens.advance(state, now)
+            return emit
+
+        carried = {**self.tokens.initial("BW"), **self._sums()}
+        carried.update({("stash", s): first[1]["emitted", ("stash", s)] for s in range(S)})
+        second = _loop(M, cells[-1].device, carried, backwards)
+        return self._results([first, second], [])
+
+    def _results(self, parts: list[tuple[_Emitted, dict]], terms: list[Any]):
+        cells, M = self.cells, self.M
+
+        def find(key):
+            for emitted, state in parts:
+                if key in emitted.layouts:
+                    return emitted, state
+            return None, None
+
+        outputs, out_masks = zip(*find(("out",))[0].each(find(("out",))[1], ("out",)))
+        cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
+        totals: dict[int, Any] = {}
         for s, cell in enumerate(cells):
+            emitted, state = find(("losses", s))
+            if emitted.layouts["losses", s].positions:
+                for m, row in enumerate(emitted.each(state, ("losses", s))):
+                    cell_losses[m].extend(row)
+            if self.deferred is not None:
+                emitted, state = find(("moments", s))
+                pooled = emitted.total(state, ("moments", s))
+                for bn, sums in zip(stage.functions(cell).pooled_layers(True), pooled):
+                    self.deferred.add_sums(bn, sums)
+            variables = cell.trainable_variables
             with tf.device(cell.device):
-                added = losses[s].compress(got["losses"][s])
-                state["losses", s] = loop_state.write(state["losses", s], m, added)
-                if moments[s].positions:
-                    # Pooled in micro-batch order, as the built-out step pools them.
-                    state["moments", s] = batchnorm.merge(
-                        state["moments", s], moments[s].compress(got["moments"][s])
-                    )
-                for i, layout in enumerate(rows[s]):
-                    if layout is not None:
-                        state["rows", s, i] = loop_state.write(
-                            state["rows", s, i], m, layout.compress(got["rows"][s][i])
-                        )
-
-    with tf.name_scope("micro_batch_loop"):
-        loop_state.run(state, M, body, {})
-    return _results(cells, M, state, out, losses, terms, moments, rows, input_specs, deferred)
-
-
-def _results(cells, M, state, out, losses, terms, moments, rows, input_specs, deferred):
-    S = len(cells)
-    outputs, out_masks = [], []
-    with tf.device(cells[-1].device):
-        for m in range(M):
-            o, mask = out.expand(out.read(state["out"], m))
-            outputs.append(o)
-            out_masks.append(mask)
-    cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
-    for s in range(S):
-        if losses[s].positions:
-            with tf.device(cells[s].device):
-                for m in range(M):
-                    cell_losses[m].extend(losses[s].expand(losses[s].read(state["losses", s], m)))
-    if deferred is not None:
-        for s, cell in enumerate(cells):
-            pooled = moments[s].expand(state["moments", s])
-            for bn, sums in zip(stage.functions(cell).pooled_layers(True), pooled):
-                deferred.add_sums(bn, sums)
-    totals: dict[int, Any] = {}
-    for s, cell in enumerate(cells):
-        variables = cell.trainable_variables
-        fns = stage.functions(cell)
-        with tf.device(cell.device):
-            sparse_rows = [(i, layout) for i, layout in enumerate(rows[s]) if layout is not None]
-            free = sparse.batch_free(cell, *input_specs[s]) if sparse_rows else frozenset()
-            for i, _ in sparse_rows:  # in micro-batch order, as the built-out step has them
-                values, indices = state["rows", s, i]
-                shape = tf.constant(variables[i].shape.as_list(), tf.int32)
-                parts = [tf.IndexedSlices(values.read(m), indices.read(m), shape) for m in range(M)]
-                totals[id(variables[i])] = sparse.combine(parts, id(variables[i]) in free)
-            totals.update(fns.sums.read(state["sums", s][0], inline=True))
-    return outputs, out_masks, totals, cell_losses, [terms.expand(state["terms"])]
+                found = [i for i in range(len(variables)) if find(("rows", s, i))[0] is not None]
+                free = sparse.batch_free(cell, *self.input_specs[s]) if found else frozenset()
+                for i in found:  # in micro-batch order, as the built-out step has them
+                    emitted, state = find(("rows", s, i))
+                    shape = tf.constant(variables[i].shape.as_list(), tf.int32)
+                    parts_i = [
+                        tf.IndexedSlices(v, ix, shape) for v, ix in emitted.each(state, ("rows", s, i))
+                    ]
+                    totals[id(variables[i])] = sparse.combine(parts_i, id(variables[i]) in free)
+                token = parts[-1][1]["sums", s][0]
+                totals.update(stage.functions(cell).sums.read(token, inline=True))
+        return list(outputs), list(out_masks), totals, cell_losses, terms

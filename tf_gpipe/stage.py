@@ -39,7 +39,7 @@ def inlined() -> Iterator[None]:
     """Within this scope the stage functions are called as functions the runtime inlines.
 
     For a graph that calls each stage function once (the loops over micro-batches,
-    ``tf_gpipe.loop``), inlining adds no copies, and each action then runs without a
+    ``tf_gpipe.micro_batch_loop``), inlining adds no copies, and each action then runs without a
     function call of its own (less host work per action, benchmarks/compiled_stages/README.md).
     A graph that calls them once per micro-batch keeps the calls
     (``_noinline``, see ``StageFunctions``). Inlined, a body's ops no longer wait for all
@@ -172,19 +172,6 @@ class StageFunctions:
             attach_mask(outputs, out_mask)
         return outputs, out_mask, list(losses), list(before)
 
-    def forward_outputs(
-        self, inputs: Any, mask: Any, side: dict | None, nonempty: Any, training: Any, deferred: Any
-    ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor], list[list[tf.Tensor]], list[tf.Tensor]]:
-        """What ``forward`` returns for these arguments (tensors or ``tf.TensorSpec``s), as
-        the traced function's symbolic outputs, without calling it: ``(outputs, out_mask,
-        losses, before, BatchNormalization moments)``, and the resource handles the trace
-        captures. A later ``forward`` with matching arguments reuses the trace.
-        ``deferred`` is only tested for None."""
-        defer = self._defers(deferred, training)
-        concrete = self._plain_forward().get_concrete_function(inputs, mask, side, nonempty, training, defer)
-        outputs, out_mask, losses, before, moments = concrete.structured_outputs
-        return outputs, out_mask, list(losses), list(before), list(moments), handles.captured(concrete)
-
     def _plain_forward(self) -> Any:
         """The forward function (not taped) callers in this scope use: inlined or not."""
         return self._forward_inlined if _inline() else self._forward
@@ -310,34 +297,6 @@ class StageFunctions:
             token, rows = var_grads
             return list(in_grads), (token, self.sums.rows_in(rows))
         return list(in_grads), list(var_grads)
-
-    def backward_outputs(
-        self,
-        inputs: Any,
-        mask: Any,
-        side: dict | None,
-        before: list[Any],
-        output_grads: list[Any],
-        loss_grads: list[Any],
-        nonempty: Any,
-        training: Any,
-        deferred: bool,
-        need_input_grads: bool,
-        after: Any,
-    ) -> tuple[list[Any], Any, list[tf.Tensor]]:
-        """What ``backward(..., to_sums=True)`` returns for these arguments (tensors or
-        ``tf.TensorSpec``s), as the traced function's symbolic outputs, without calling it:
-        ``(input grads, (token, rows))``, rows as ``(values, indices)`` pairs or None; and
-        the resource handles the trace captures."""
-        defer = self._defers(deferred, training)
-        self.sums.variables(self.cell.trainable_variables)
-        args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
-        # Exactly the arguments ``backward`` passes with ``to_sums``: the call then reuses the trace.
-        concrete = self._plain_backward().get_concrete_function(
-            *_backward_args(*args, need_input_grads, None, None, True, True, after)
-        )
-        in_grads, (token, rows) = concrete.structured_outputs
-        return list(in_grads), (token, list(rows)), handles.captured(concrete)
 
     def _backward_body(
         self,

@@ -87,7 +87,7 @@ def no_automatic_control_dependencies() -> Iterator[None]:
 
     In a ``tf.function`` TensorFlow makes every output of a loop body wait for every
     stateful op of the body; the pipeline loops chain each stage through its own data
-    instead, so that no iteration is a barrier of all stages (``tf_gpipe.loop``).
+    instead, so that no iteration is a barrier of all stages (``tf_gpipe.micro_batch_loop``).
     ``while_v2`` reads the flag from the graph the loop is built in: the private
     ``Graph._add_control_dependencies``, lowered here and restored on exit.
     """
