@@ -12,7 +12,7 @@ from helpers import assert_all_close, mlp_layers
 from test_loop import _token_data, _token_layers
 
 import tf_gpipe
-from tf_gpipe import micro_batch_loop, schedules
+from tf_gpipe import loop_state, micro_batch_loop, schedules
 from tf_gpipe.schedules.loop_waits import Wait, waits
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -123,7 +123,7 @@ def test_each_stage_holds_what_one_f_one_b_allows(with_waits, cpu_devices, monke
     yet backward than 1F1B allows (K - s); without the waits, stage 0's forwards run ahead
     (the check that the test can fail)."""
     if not with_waits:
-        monkeypatch.setattr(micro_batch_loop._Tokens, "before", lambda *a: [])
+        monkeypatch.setattr(loop_state.Tokens, "before", lambda *a: [])
     log: list = []
     first, last = mlp_layers(depth=1)
     layers = [first, _Logged(0, log), keras.layers.Dense(12, activation="tanh"), _Logged(1, log), last]

@@ -9,6 +9,10 @@ one entry per micro-batch, freed once read::
 
     forward iteration m:   stage s ─► Layout.compress ─► write(arrays, m, ...)
     backward iteration m:  Layout.read(arrays, m) ─► stage s ─► Layout.free(arrays, m)
+
+``emitting`` runs a loop whose iteration returns what leaves it (``Emitted``): its
+structure is read from one more trace of the body; ``Tokens`` carries each action's
+tokens of the last few iterations, what ``schedules.loop_waits`` makes a later one wait for.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import tf_compat
+from tf_gpipe import batchnorm, handles, ordering, tf_compat
+from tf_gpipe.cell import Cell
+from tf_gpipe.schedules import loop_waits
 
 __all__: list[str] = []
 
@@ -93,19 +99,11 @@ def write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) -> 
     return [a.write(m, v) for a, v in zip(arrays, values)]
 
 
-def run(state: dict, iterations: int, iteration: Callable[[tf.Tensor], None], specs: dict) -> None:
+def run(state: dict, iterations: int, iteration: Callable[[tf.Tensor], None]) -> None:
     """Run ``iteration(i)`` for ``i`` in ``range(iterations)`` as a ``tf.while_loop`` whose loop
     variables are everything in ``state`` (lists of tensors and TensorArrays), updated
-    in place. The entries of ``specs`` (key: a ``Layout``) enter with its shapes, which
-    may leave sizes unknown that the stand-ins they start as have."""
+    in place."""
     keys = sorted(state, key=repr)
-    shaped = tf.compat.v1.placeholder_with_default
-    for k, layout in specs.items():
-        values = []
-        for v, spec in zip(state[k], layout.specs):
-            with tf.device(v.device):  # where the value is: its loop variable's ops go with it
-                values.append(shaped(v, spec.shape))
-        state[k] = values
     lengths = [len(state[k]) for k in keys]
 
     def unpack(values):
@@ -148,3 +146,121 @@ def independent_stages() -> contextlib.AbstractContextManager[None]:
     gradient-sum token backward). ``tests/test_loop.py`` checks that the flag still
     takes effect."""
     return tf_compat.no_automatic_control_dependencies()
+
+
+class Tokens:
+    """Each (kind, stage)'s tokens of the last iterations, as loop variables: ``before``
+    gives an action what it waits for, in this iteration (``now``) or an earlier one."""
+
+    def __init__(self, waits: list[loop_waits.Wait], cells: Sequence[Cell]):
+        self.waits = waits
+        self.cells = cells
+        self.depth: dict[tuple[str, int], int] = {}
+        for w in waits:
+            key = (w.on_kind, w.on_stage)
+            self.depth[key] = max(self.depth.get(key, 0), w.lag)
+
+    def initial(self, kinds: str) -> dict[Any, list[tf.Tensor]]:
+        state = {}
+        for (kind, s), depth in self.depth.items():
+            if depth and kind in kinds:
+                with tf.device(self.cells[s].device):
+                    state["token", kind, s] = [tf.constant(True) for _ in range(depth)]
+        return state
+
+    def before(self, state: dict, now: dict, kind: str, s: int) -> list[tf.Tensor]:
+        found = []
+        for w in self.waits:
+            if (w.kind, w.stage) == (kind, s):
+                found.append(
+                    now[w.on_kind, w.on_stage]
+                    if w.lag == 0
+                    else state["token", w.on_kind, w.on_stage][-w.lag]
+                )
+        return found
+
+    def advance(self, state: dict, now: dict) -> None:
+        for kind, s in now:
+            if self.depth.get((kind, s)):
+                state["token", kind, s] = state["token", kind, s][1:] + [now[kind, s]]
+
+
+def token(*structures: Any) -> tf.Tensor:
+    with tf.control_dependencies(ordering.done(*structures)):
+        return tf.constant(True)
+
+
+class Emitted:
+    """What a loop's iterations emit, per key: ``each`` value into a TensorArray (one entry
+    per micro-batch), or a running ``sum``, or BatchNormalization moments ``pool``ed.
+
+    ``emit`` takes ``{key: (how, device, structure)}``."""
+
+    def __init__(self, meta: dict, values: dict, M: int):
+        self.how = {k: how for k, (how, _) in meta.items()}
+        self.device = {k: device for k, (_, device) in meta.items()}
+        self.layouts = {k: Layout(value) for k, value in values.items()}
+        self.M = M
+
+    def initial(self) -> dict:
+        state = {}
+        for k, layout in self.layouts.items():
+            with tf.device(self.device[k]):
+                state["emitted", k] = layout.arrays(self.M) if self.how[k] == "each" else layout.zeros()
+        return state
+
+    def add(self, state: dict, m: tf.Tensor, got: dict) -> None:
+        for k, (how, device, value) in got.items():
+            layout, key = self.layouts[k], ("emitted", k)
+            with tf.device(device):
+                if how == "each":
+                    state[key] = write(state[key], m, layout.compress(value))
+                elif how == "sum":
+                    state[key] = [a + b for a, b in zip(state[key], layout.compress(value))]
+                elif layout.positions:  # pooled in micro-batch order, as the built-out step pools
+                    state[key] = batchnorm.merge(state[key], layout.compress(value))
+
+    def each(self, state: dict, k: Any) -> list[Any]:
+        """The M values emitted under ``k``, in micro-batch order."""
+        layout = self.layouts[k]
+        with tf.device(self.device[k]):
+            return [layout.expand(layout.read(state["emitted", k], m)) for m in range(self.M)]
+
+    def total(self, state: dict, k: Any) -> Any:
+        return self.layouts[k].expand(state["emitted", k])
+
+
+def emitting(
+    M: int, device: str, state: dict, iteration: Callable[[tf.Tensor, dict], dict]
+) -> tuple[Emitted, dict]:
+    """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: it updates
+    ``state`` (loop variables: tensors and TensorArrays) and returns what it emits
+    (``Emitted``). Returns the emitted values' accumulator and the final state."""
+    keys = sorted(state, key=repr)
+    specs = {k: [tf.type_spec_from_value(v) for v in state[k]] for k in keys}
+
+    meta: dict = {}
+
+    def probe(m, *flat):
+        it = iter(flat)
+        got = iteration(m, {k: [next(it) for _ in specs[k]] for k in keys})
+        meta.update({k: (how, device) for k, (how, device, _) in got.items()})
+        return {k: value for k, (_, _, value) in got.items()}
+
+    signature = [tf.TensorSpec([], tf.int32)] + [s for k in keys for s in specs[k]]
+    with handles.collected() as captured:
+        values = tf.function(probe, autograph=False).get_concrete_function(*signature).structured_outputs
+    out = Emitted(meta, values, M)
+    # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
+    packed = handles.pack(captured)
+    state = {**state, **out.initial(), "handles": packed.tensors}
+    with tf.device(device):
+        state["micro_batch", 0] = [tf.constant(0)]
+
+    def body(_: tf.Tensor) -> None:
+        m = count(state, 0)
+        with handles.replaced(handles.unpack(packed, state["handles"])):
+            out.add(state, m, iteration(m, state))
+
+    run(state, M, body)
+    return out, state

@@ -39,7 +39,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import batchnorm, handles, loop_state, ordering, remat, replay, sparse, stage
+from tf_gpipe import loop_state, ordering, remat, replay, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -95,124 +95,6 @@ def applies(
     return all(t is None or isinstance(t, tf.Tensor) for t in leaves)
 
 
-class _Tokens:
-    """Each (kind, stage)'s tokens of the last iterations, as loop variables: ``before``
-    gives an action what it waits for, in this iteration (``now``) or an earlier one."""
-
-    def __init__(self, waits: list[loop_waits.Wait], cells: Sequence[Cell]):
-        self.waits = waits
-        self.cells = cells
-        self.depth: dict[tuple[str, int], int] = {}
-        for w in waits:
-            key = (w.on_kind, w.on_stage)
-            self.depth[key] = max(self.depth.get(key, 0), w.lag)
-
-    def initial(self, kinds: str) -> dict[Any, list[tf.Tensor]]:
-        state = {}
-        for (kind, s), depth in self.depth.items():
-            if depth and kind in kinds:
-                with tf.device(self.cells[s].device):
-                    state["token", kind, s] = [tf.constant(True) for _ in range(depth)]
-        return state
-
-    def before(self, state: dict, now: dict, kind: str, s: int) -> list[tf.Tensor]:
-        found = []
-        for w in self.waits:
-            if (w.kind, w.stage) == (kind, s):
-                found.append(
-                    now[w.on_kind, w.on_stage]
-                    if w.lag == 0
-                    else state["token", w.on_kind, w.on_stage][-w.lag]
-                )
-        return found
-
-    def advance(self, state: dict, now: dict) -> None:
-        for kind, s in now:
-            if self.depth.get((kind, s)):
-                state["token", kind, s] = state["token", kind, s][1:] + [now[kind, s]]
-
-
-def _token(*structures: Any) -> tf.Tensor:
-    with tf.control_dependencies(ordering.done(*structures)):
-        return tf.constant(True)
-
-
-class _Emitted:
-    """What a loop's iterations emit, per key: ``each`` value into a TensorArray (one entry
-    per micro-batch), or a running ``sum``, or BatchNormalization moments ``pool``ed.
-
-    ``emit`` takes ``{key: (how, device, structure)}``."""
-
-    def __init__(self, meta: dict, values: dict, M: int):
-        self.how = {k: how for k, (how, _) in meta.items()}
-        self.device = {k: device for k, (_, device) in meta.items()}
-        self.layouts = {k: loop_state.Layout(value) for k, value in values.items()}
-        self.M = M
-
-    def initial(self) -> dict:
-        state = {}
-        for k, layout in self.layouts.items():
-            with tf.device(self.device[k]):
-                state["emitted", k] = layout.arrays(self.M) if self.how[k] == "each" else layout.zeros()
-        return state
-
-    def add(self, state: dict, m: tf.Tensor, got: dict) -> None:
-        for k, (how, device, value) in got.items():
-            layout, key = self.layouts[k], ("emitted", k)
-            with tf.device(device):
-                if how == "each":
-                    state[key] = loop_state.write(state[key], m, layout.compress(value))
-                elif how == "sum":
-                    state[key] = [a + b for a, b in zip(state[key], layout.compress(value))]
-                elif layout.positions:  # pooled in micro-batch order, as the built-out step pools
-                    state[key] = batchnorm.merge(state[key], layout.compress(value))
-
-    def each(self, state: dict, k: Any) -> list[Any]:
-        """The M values emitted under ``k``, in micro-batch order."""
-        layout = self.layouts[k]
-        with tf.device(self.device[k]):
-            return [layout.expand(layout.read(state["emitted", k], m)) for m in range(self.M)]
-
-    def total(self, state: dict, k: Any) -> Any:
-        return self.layouts[k].expand(state["emitted", k])
-
-
-def _loop(
-    M: int, device: str, state: dict, iteration: Callable[[tf.Tensor, dict], dict]
-) -> tuple[_Emitted, dict]:
-    """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: it updates
-    ``state`` (loop variables: tensors and TensorArrays) and returns what it emits
-    (``_Emitted``). Returns the emitted values' accumulator and the final state."""
-    keys = sorted(state, key=repr)
-    specs = {k: [tf.type_spec_from_value(v) for v in state[k]] for k in keys}
-
-    meta: dict = {}
-
-    def probe(m, *flat):
-        it = iter(flat)
-        got = iteration(m, {k: [next(it) for _ in specs[k]] for k in keys})
-        meta.update({k: (how, device) for k, (how, device, _) in got.items()})
-        return {k: value for k, (_, _, value) in got.items()}
-
-    signature = [tf.TensorSpec([], tf.int32)] + [s for k in keys for s in specs[k]]
-    with handles.collected() as captured:
-        values = tf.function(probe, autograph=False).get_concrete_function(*signature).structured_outputs
-    out = _Emitted(meta, values, M)
-    # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
-    packed = handles.pack(captured)
-    state = {**state, **out.initial(), "handles": packed.tensors}
-    with tf.device(device):
-        state["micro_batch", 0] = [tf.constant(0)]
-
-    def body(_: tf.Tensor) -> None:
-        m = loop_state.count(state, 0)
-        with handles.replaced(handles.unpack(packed, state["handles"])):
-            out.add(state, m, iteration(m, state))
-
-    loop_state.run(state, M, body, {})
-    return out, state
-
-
 def run(
     schedule: Any,
     cells: Sequence[Cell],
@@ -242,7 +124,7 @@ class _Step:
         self.cells, self.M = list(cells), len(split)
         self.rematerializes, self.deferred = rematerializes, deferred
         self.halves = bool(getattr(schedule, "split_backward", False))
-        self.tokens = _Tokens(loop_waits.waits(schedule), cells)
+        self.tokens = loop_state.Tokens(loop_waits.waits(schedule), cells)
         # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
         # several, or unknown, they share a leading dimension of unknown size.
         shapes = {
@@ -290,7 +172,7 @@ class _Step:
                 persistent=self.halves,
                 input_grads=s > 0,
             )
-            now["F", s] = _token(rec.outputs)
+            now["F", s] = loop_state.token(rec.outputs)
         self.input_specs.setdefault(s, sparse.relaxed_specs((rec.inputs, rec.mask, rec.side)))
         emit["losses", s] = ("each", cell.device, list(rec.losses))
         emit["moments", s] = (
@@ -326,7 +208,7 @@ class _Step:
                     after=None if halves else state["sums", s][0],
                 )
             if halves:
-                now["B", s] = _token(in_grads) if s > 0 else _token(go, dy)
+                now["B", s] = loop_state.token(in_grads) if s > 0 else loop_state.token(go, dy)
                 go = self.tokens.before(state, now, "W", s)
                 _, result = remat.backward(
                     cell,
@@ -378,7 +260,9 @@ class _Step:
                 self.tokens.advance(state, now)
                 return emit
 
-            out, state = _loop(M, cells[0].device, {**self.tokens.initial("FBW"), **self._sums()}, iteration)
+            out, state = loop_state.emitting(
+                M, cells[0].device, {**self.tokens.initial("FBW"), **self._sums()}, iteration
+            )
             return self._results([(out, state)], [out.total(state, ("terms",))])
 
         def forwards(m, state):
@@ -392,7 +276,7 @@ class _Step:
             self.tokens.advance(state, now)
             return emit
 
-        first = _loop(M, cells[0].device, self.tokens.initial("F"), forwards)
+        first = loop_state.emitting(M, cells[0].device, self.tokens.initial("F"), forwards)
         outputs, out_masks = zip(*first[0].each(first[1], ("out",)))
         with tf.device(cells[-1].device), tf.name_scope("loss"):
             grads = batch_loss(list(outputs), list(out_masks))
@@ -427,10 +311,10 @@ class _Step:
 
         carried = {**self.tokens.initial("BW"), **self._sums()}
         carried.update({("stash", s): first[1]["emitted", ("stash", s)] for s in range(S)})
-        second = _loop(M, cells[-1].device, carried, backwards)
+        second = loop_state.emitting(M, cells[-1].device, carried, backwards)
         return self._results([first, second], [])
 
-    def _results(self, parts: list[tuple[_Emitted, dict]], terms: list[Any]):
+    def _results(self, parts: list[tuple[loop_state.Emitted, dict]], terms: list[Any]):
         cells, M = self.cells, self.M
 
         def find(key):
