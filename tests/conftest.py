@@ -76,3 +76,49 @@ def mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")
     yield
     keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture
+def stage_traces(monkeypatch):
+    """``stage_traces(model)``: per stage, how often its forward and backward bodies were
+    traced, and the ``(need_input_grads, need_weight_grads)`` of each backward traced
+    (``"halves"``). Counted by wrapping the stage functions' Python bodies: the library
+    keeps no counters of its own."""
+    import functools
+    import inspect
+
+    from tf_gpipe import stage
+
+    counts: dict = {}
+
+    def entry(fns):
+        return counts.setdefault(id(fns.cell), {"forward": 0, "backward": 0, "halves": set()})
+
+    run_forward = stage.StageFunctions._run_forward
+    backward_body = stage.StageFunctions._backward_body
+    signature = inspect.signature(backward_body)
+
+    @functools.wraps(run_forward)
+    def counted_forward(self, *args, **kwargs):
+        entry(self)["forward"] += 1
+        return run_forward(self, *args, **kwargs)
+
+    @functools.wraps(backward_body)
+    def counted_backward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        found = entry(self)
+        found["backward"] += 1
+        found["halves"].add((bool(bound.arguments["need_input_grads"]), bool(bound.arguments["need_weight_grads"])))
+        return backward_body(self, *args, **kwargs)
+
+    monkeypatch.setattr(stage.StageFunctions, "_run_forward", counted_forward)
+    monkeypatch.setattr(stage.StageFunctions, "_backward_body", counted_backward)
+
+    def of(model):
+        return [
+            {k: set(v) if isinstance(v, set) else v for k, v in entry(stage.functions(c)).items()}
+            for c in model.cells
+        ]
+
+    return of

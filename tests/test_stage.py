@@ -18,10 +18,6 @@ from tf_gpipe import keras_compat, remat, stage
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _traces(model):
-    return [dict(stage.functions(c).traces) for c in model.cells]
-
-
 def _dropout_bn_layers(seed=3):
     keras.utils.set_random_seed(seed)
     return [
@@ -38,7 +34,7 @@ def _dropout_bn_layers(seed=3):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_stage_traced_at_most_twice_and_not_per_micro_batch(schedule):
+def test_stage_traced_at_most_twice_and_not_per_micro_batch(schedule, stage_traces):
     """K=2, M=8 on 10 examples (micro-batches of 2 and 1): every stage's forward and
     backward body is traced at most twice (one extra trace for the smaller size; under
     zb-h1 twice per backward half, B and W), and M=8 traces no more than M=3 does."""
@@ -52,22 +48,22 @@ def test_stage_traced_at_most_twice_and_not_per_micro_batch(schedule):
         pm.compile(optimizer="sgd", loss=LOSS)
         pm.train_on_batch(x, y)
         pm.train_on_batch(x, y)
-        counts[M] = _traces(pm)
+        counts[M] = stage_traces(pm)
     halves = 2 if schedule == "zb-h1" else 1
     for per_stage in counts[8]:
         assert 1 <= per_stage["forward"] <= 2 and 1 <= per_stage["backward"] <= 2 * halves, counts
     assert counts[8] == counts[3]
 
 
-def test_remat_never_traced_once_per_signature():
+def test_remat_never_traced_once_per_signature(stage_traces):
     x, y = data(10)
     pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=8, remat="never")
     pm.compile(optimizer="sgd", loss=LOSS)
     pm.train_on_batch(x, y)
-    assert all(1 <= t["forward"] <= 2 and t["backward"] == 0 for t in _traces(pm))
+    assert all(1 <= t["forward"] <= 2 and t["backward"] == 0 for t in stage_traces(pm))
 
 
-def test_call_under_tape_reuses_the_traces():
+def test_call_under_tape_reuses_the_traces(stage_traces):
     """Eager __call__ under a user's tape runs the same functions: a second call traces nothing."""
     x, y = data(10)
     pm = tf_gpipe.PipelineModel(_dropout_bn_layers(), num_stages=2, num_micro_batches=4)
@@ -78,8 +74,8 @@ def test_call_under_tape_reuses_the_traces():
         grads = tape.gradient(loss, pm.trainable_variables)
         assert all(g is not None for g in grads)
         if _ == 0:
-            first = _traces(pm)
-    assert _traces(pm) == first
+            first = stage_traces(pm)
+    assert stage_traces(pm) == first
     assert all(t["backward"] >= 1 for t in first)
 
 
@@ -220,16 +216,16 @@ def test_training_step_is_traced_once(remat, monkeypatch):
     assert len(calls) == 1
 
 
-def test_trace_counter_counts():
+def test_trace_counter_counts(stage_traces):
     """The counter the tests above rely on moves with each new trace (a new Python
     argument is a new signature), so "traced once" is not vacuous."""
     x, _ = data(8)
     pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=4)
     pm.build((None, 8))
     pm(x, training=False)
-    once = _traces(pm)
+    once = stage_traces(pm)
     pm(x, training=True)
-    assert [t["forward"] for t in _traces(pm)] == [t["forward"] + 1 for t in once]
+    assert [t["forward"] for t in stage_traces(pm)] == [t["forward"] + 1 for t in once]
 
 
 def test_stage_outputs_carry_their_keras_mask():

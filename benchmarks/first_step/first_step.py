@@ -23,7 +23,7 @@ falls on every cell alike; the tables give medians. A child times
 * second: the second ``train_on_batch`` (a steady step, for scale).
 
 A configuration ``PipelineModel`` rejects (``"interleaved"`` needs M to be a multiple of K,
-so M=1 is not a configuration; ``--micro_batch_loops=true`` needs GPipe with
+so M=1 is not a configuration; ``--micro_batch_loops=true`` with GPipe needs
 ``remat="always"``) is reported with PipelineModel's own message and the table takes the
 smallest valid M as its base. Results: benchmarks/first_step/README.md.
 
