@@ -109,7 +109,9 @@ def stage_traces(monkeypatch):
         bound.apply_defaults()
         found = entry(self)
         found["backward"] += 1
-        found["halves"].add((bool(bound.arguments["need_input_grads"]), bool(bound.arguments["need_weight_grads"])))
+        found["halves"].add(
+            (bool(bound.arguments["need_input_grads"]), bool(bound.arguments["need_weight_grads"]))
+        )
         return backward_body(self, *args, **kwargs)
 
     monkeypatch.setattr(stage.StageFunctions, "_run_forward", counted_forward)

@@ -9,7 +9,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
-from tf_gpipe import schedules, stage, trainer
+from tf_gpipe import schedules, trainer
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -33,13 +33,11 @@ class GradientSums:
     Args:
         cell: the stage; the variables live in ``cell.gradient_sums``, which outlives a
             remake of its stage functions (a new XLA choice).
-        traces: the stage functions' trace counts; each traced body adds to ``"sum"``.
         eager: run the bodies directly, not as functions (``run_eagerly``).
     """
 
-    def __init__(self, cell: Cell, traces: dict[str, int], eager: bool = False):
+    def __init__(self, cell: Cell, eager: bool = False):
         self.cell = cell
-        self.traces = traces
         self._sums: dict[int, tf.Variable] = cell.gradient_sums
         # Found while tracing: the variables that get a gradient, and those that get rows.
         self.graded: set = set()
@@ -104,7 +102,6 @@ class GradientSums:
         return token, self.rows_in(rows)
 
     def _zero_body(self):
-        self.traces["sum"] += 1
         return _ready([s.assign(tf.zeros_like(s)) for s in self.variables(self.cell.trainable_variables)])
 
     def _read_body(self, token, sums):
@@ -112,7 +109,6 @@ class GradientSums:
             return [s.read_value() for s in sums]
 
     def _add_body(self, grads, nonempty, after):
-        self.traces["sum"] += 1
         with tf.control_dependencies([] if after is None else [after]):
             return self.add_in_body([replay.mask_grad(g, nonempty) for g in grads])
 

@@ -302,7 +302,6 @@ class _Step:
                     nonempty=self._nonempty(m),
                     side=side,
                     before=before,
-                    training=True,
                     deferred=self.deferred is not None,
                 )
                 dy = self.backward(s, rec, dy, m, n_losses[s], state, now, emit)

@@ -77,7 +77,6 @@ def forward(
         nonempty=nonempty,
         side=side,
         before=before,
-        training=training,
         deferred=deferred is not None,
         split=symbolic and not remat,
     )

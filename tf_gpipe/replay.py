@@ -80,7 +80,6 @@ class Record:
     nonempty: tf.Tensor | None = None
     side: dict | None = None  # side inputs of this micro-batch (not differentiated)
     before: list[tf.Tensor] = field(default_factory=list)  # written variables' values, for the replay
-    training: bool | None = None
     deferred: bool = False
     # Taped, for a split schedule, in a graph: each half differentiates with ``tf.gradients``.
     split: bool = False

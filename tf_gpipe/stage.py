@@ -75,22 +75,15 @@ class StageFunctions:
         cell: the stage.
         jit_compile: compile both functions with XLA.
         eager: run the Python bodies directly, not as functions (``run_eagerly``).
-
-    ``traces`` counts how often each Python body was traced (a test checks that
-    it does not grow with the number of micro-batches).
     """
 
     def __init__(self, cell: Cell, jit_compile: bool = False, eager: bool = False):
         self.cell = cell
         self.jit_compile = jit_compile
         self.eager = eager
-        self.traces: dict[str, int] = {"forward": 0, "backward": 0, "sum": 0}
-        # (need_input_grads, need_weight_grads) of each backward traced: a split schedule's
-        # B and W are traced apart, (True, False) and (False, True), never as one (True, True).
-        self.backward_halves: set = set()
         # Where fit's backward passes sum the stage's gradients, and the functions that zero,
         # add to and read them.
-        self.sums = GradientSums(cell, self.traces, eager)
+        self.sums = GradientSums(cell, eager)
         # Per (training, deferred): the variables the forward writes, found while tracing.
         self._written: dict[tuple[Any, bool], list[Any]] = {}
         self._deferred_layers: dict[tuple[Any, bool], list[Any]] = {}
@@ -198,7 +191,6 @@ class StageFunctions:
     def _run_forward(self, inputs, mask, side, nonempty, training, defer, taped_inputs):
         """``taped_inputs``: None for the forward a replay follows; True or False (whether
         the float inputs get gradients) for a taped one, whose gradient is gated."""
-        self.traces["forward"] += 1
         cell, key = self.cell, (training, defer)
         bns = cell.batch_norms if defer else []
         local = DeferredStats() if bns else None
@@ -316,8 +308,6 @@ class StageFunctions:
         need_weight_grads=True,
         after=None,
     ):
-        self.traces["backward"] += 1
-        self.backward_halves.add((bool(need_input_grads), bool(need_weight_grads)))
         cell = self.cell
         written = self._written[(training, defer)]
         flat_in = tf.nest.flatten(inputs)
