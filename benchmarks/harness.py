@@ -204,6 +204,29 @@ def stream_child(script: str, args: Sequence[str], env: dict[str, str]) -> Itera
 # ---------------------------------------------------------------------------- output
 
 
+def trace_clock() -> list[float]:
+    """Start timing Python tracing: the returned one-element list holds the seconds spent
+    inside the outermost ``func_graph_from_py_func`` calls since (the step's graph and every
+    function in it; nested traces count in their outermost one's time)."""
+    from tensorflow.python.framework import func_graph  # private: the probe's clock
+
+    depth, traced = [0], [0.0]
+    original = func_graph.func_graph_from_py_func
+
+    def timed(*args, **kwargs):
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:
+                traced[0] += time.perf_counter() - start
+
+    func_graph.func_graph_from_py_func = timed
+    return traced
+
+
 def transformer_block(d: int, heads: int = 4):
     """A pre-LN Transformer block of width ``d`` (causal attention, 4d GELU feed-forward):
     the block of the benchmarks' small Transformer stacks."""

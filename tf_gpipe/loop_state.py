@@ -126,12 +126,33 @@ def run(state: dict, iterations: int, iteration: Callable[[tf.Tensor], None]) ->
     unpack(values)
 
 
-def count(state: dict, s: int) -> tf.Tensor:
-    """Stage ``s``'s micro-batch index in this iteration. Each stage counts for itself: the
-    loop's own counter lives on one device, and every other device would read it."""
-    m = state["micro_batch", s][0]
-    state["micro_batch", s] = [m + 1]
-    return m
+class Counters:
+    """The iteration's micro-batch index, counted on each device: ``on(device)``. Each device
+    counts for itself: one counter would live on one device, and every other device would
+    wait for it in every iteration."""
+
+    def __init__(self, devices: Sequence[str], state: dict | None = None, probe: Any = None):
+        self.devices = sorted(set(devices))
+        self.state, self.probe = state, probe
+
+    def initial(self) -> dict:
+        state = {}
+        for d in self.devices:
+            with tf.device(d):
+                state["micro_batch", d] = [tf.constant(0)]
+        return state
+
+    def on(self, device: str) -> tf.Tensor:
+        if self.probe is not None:
+            return self.probe
+        assert self.state is not None
+        return self.state["micro_batch", device][0]
+
+    def advance(self) -> None:
+        assert self.state is not None
+        for d in self.devices:
+            with tf.device(d):
+                self.state["micro_batch", d] = [self.state["micro_batch", d][0] + 1]
 
 
 def independent_stages() -> contextlib.AbstractContextManager[None]:
@@ -209,12 +230,12 @@ class Emitted:
                 state["emitted", k] = layout.arrays(self.M) if self.how[k] == "each" else layout.zeros()
         return state
 
-    def add(self, state: dict, m: tf.Tensor, got: dict) -> None:
+    def add(self, state: dict, m: Counters, got: dict) -> None:
         for k, (how, device, value) in got.items():
             layout, key = self.layouts[k], ("emitted", k)
             with tf.device(device):
                 if how == "each":
-                    state[key] = write(state[key], m, layout.compress(value))
+                    state[key] = write(state[key], m.on(device), layout.compress(value))
                 elif how == "sum":
                     state[key] = [a + b for a, b in zip(state[key], layout.compress(value))]
                 elif layout.positions:  # pooled in micro-batch order, as the built-out step pools
@@ -231,11 +252,12 @@ class Emitted:
 
 
 def emitting(
-    M: int, device: str, state: dict, iteration: Callable[[tf.Tensor, dict], dict]
+    M: int, devices: Sequence[str], state: dict, iteration: Callable[[Counters, dict], dict]
 ) -> tuple[Emitted, dict]:
-    """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: it updates
-    ``state`` (loop variables: tensors and TensorArrays) and returns what it emits
-    (``Emitted``). Returns the emitted values' accumulator and the final state."""
+    """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: ``m`` gives
+    the micro-batch index on each of ``devices``; the iteration updates ``state`` (loop
+    variables: tensors and TensorArrays) and returns what it emits (``Emitted``). Returns
+    the emitted values' accumulator and the final state."""
     keys = sorted(state, key=repr)
     specs = {k: [tf.type_spec_from_value(v) for v in state[k]] for k in keys}
 
@@ -243,7 +265,7 @@ def emitting(
 
     def probe(m, *flat):
         it = iter(flat)
-        got = iteration(m, {k: [next(it) for _ in specs[k]] for k in keys})
+        got = iteration(Counters(devices, probe=m), {k: [next(it) for _ in specs[k]] for k in keys})
         meta.update({k: (how, device) for k, (how, device, _) in got.items()})
         return {k: value for k, (_, _, value) in got.items()}
 
@@ -253,14 +275,13 @@ def emitting(
     out = Emitted(meta, values, M)
     # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
     packed = handles.pack(captured)
-    state = {**state, **out.initial(), "handles": packed.tensors}
-    with tf.device(device):
-        state["micro_batch", 0] = [tf.constant(0)]
+    state = {**state, **out.initial(), **Counters(devices).initial(), "handles": packed.tensors}
 
     def body(_: tf.Tensor) -> None:
-        m = count(state, 0)
+        m = Counters(devices, state)
         with handles.replaced(handles.unpack(packed, state["handles"])):
             out.add(state, m, iteration(m, state))
+        m.advance()
 
     run(state, M, body)
     return out, state

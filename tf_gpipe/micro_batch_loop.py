@@ -111,6 +111,7 @@ def run(
     """Build one step of ``schedule``; arguments and results as ``executor.run_schedule``'s.
     With ``micro_loss`` one loop, the loss terms summed over the micro-batches (one row);
     else GPipe's two loops around ``batch_loss``."""
+    targets = targets if micro_loss is not None else None  # GPipe's loss reads them itself
     with stage.inlined():
         return _Step(
             schedule, cells, split, masks, rematerializes, sides, targets, cell_loss_grads, deferred
@@ -151,8 +152,8 @@ class _Step:
                 arrays = loop_state.write(arrays, m, layout.compress(value))
         return layout, arrays
 
-    def _nonempty(self, m):
-        return None if self.nonempty_all is None else self.nonempty_all[m]
+    def _nonempty(self, m: Any, s: int) -> Any:
+        return None if self.nonempty_all is None else self.nonempty_all[m.on(self.cells[s].device)]
 
     # ---------------------------------------------------------------- one stage's actions
     def forward(self, s, x, mask, side, m, state, now, emit):
@@ -166,7 +167,7 @@ class _Step:
                 mask,
                 True,
                 remat=self.rematerializes(s),
-                nonempty=self._nonempty(m),
+                nonempty=self._nonempty(m, s),
                 deferred=local,
                 side=side,
                 persistent=self.halves,
@@ -186,7 +187,7 @@ class _Step:
         """Stage ``s``'s backward of micro-batch ``m`` (its B and W, when split); returns the
         gradients of its inputs."""
         cell = self.cells[s]
-        weight = None if self.loss_weights is None else self.loss_weights[m]
+        weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
         if n_losses and weight is None:
             raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
         loss_grads = [weight] * n_losses
@@ -239,9 +240,10 @@ class _Step:
     # ---------------------------------------------------------------------------- the step
     def run(self, micro_loss, batch_loss):
         S, M, cells = len(self.cells), self.M, self.cells
+        devices = [c.device for c in cells]
 
         def read(m):
-            return self.data.expand(self.data.read(self.arrays, m))
+            return self.data.expand(self.data.read(self.arrays, m.on(cells[0].device)))
 
         if micro_loss is not None:
 
@@ -261,7 +263,7 @@ class _Step:
                 return emit
 
             out, state = loop_state.emitting(
-                M, cells[0].device, {**self.tokens.initial("FBW"), **self._sums()}, iteration
+                M, devices, {**self.tokens.initial("FBW"), **self._sums()}, iteration
             )
             return self._results([(out, state)], [out.total(state, ("terms",))])
 
@@ -276,7 +278,7 @@ class _Step:
             self.tokens.advance(state, now)
             return emit
 
-        first = loop_state.emitting(M, cells[0].device, self.tokens.initial("F"), forwards)
+        first = loop_state.emitting(M, devices, self.tokens.initial("F"), forwards)
         outputs, out_masks = zip(*first[0].each(first[1], ("out",)))
         with tf.device(cells[-1].device), tf.name_scope("loss"):
             grads = batch_loss(list(outputs), list(out_masks))
@@ -286,20 +288,21 @@ class _Step:
 
         def backwards(m, state):
             now, emit = {}, {}
-            dy = given.expand(given.read(given_arrays, m))
+            dy = given.expand(given.read(given_arrays, m.on(cells[-1].device)))
             for s in reversed(range(S)):
                 with tf.device(cells[s].device):
                     held = state["stash", s]
-                    x, mask, side, before = stash[s].expand(stash[s].read(held, m))
+                    at = m.on(cells[s].device)
+                    x, mask, side, before = stash[s].expand(stash[s].read(held, at))
                     # Dropped after this backward, as the built-out step drops each record.
-                    state["stash", s] = stash[s].free(held, m)
+                    state["stash", s] = stash[s].free(held, at)
                 rec = replay.Record(
                     inputs=x,
                     mask=mask,
                     outputs=None,
                     out_mask=None,
                     losses=[],
-                    nonempty=self._nonempty(m),
+                    nonempty=self._nonempty(m, s),
                     side=side,
                     before=before,
                     deferred=self.deferred is not None,
@@ -310,7 +313,7 @@ class _Step:
 
         carried = {**self.tokens.initial("BW"), **self._sums()}
         carried.update({("stash", s): first[1]["emitted", ("stash", s)] for s in range(S)})
-        second = loop_state.emitting(M, cells[-1].device, carried, backwards)
+        second = loop_state.emitting(M, devices, carried, backwards)
         return self._results([first, second], [])
 
     def _results(self, parts: list[tuple[loop_state.Emitted, dict]], terms: list[Any]):

@@ -50,24 +50,9 @@ flags.DEFINE_string("child_config", "", "Internal: run one configuration and pri
 def _child(config: str) -> None:
     import gc
 
-    from tensorflow.python.framework import func_graph  # private: the probe's clock
-
     builder, m = config.split(":")
     FLAGS.jit = "auto"
-    depth, traced = [0], [0.0]
-    original = func_graph.func_graph_from_py_func
-
-    def timed(*args, **kwargs):
-        depth[0] += 1
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            depth[0] -= 1
-            if depth[0] == 0:
-                traced[0] += time.perf_counter() - start
-
-    func_graph.func_graph_from_py_func = timed
+    traced = cs.harness.trace_clock()
     devices = cs._setup_devices(FLAGS.stages)
     if builder == "loop_unpacked":  # the loop as before tf_gpipe.handles: one loop variable per handle
         from tf_gpipe import handles

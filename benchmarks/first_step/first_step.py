@@ -129,23 +129,7 @@ def run_child() -> None:
     # keras.Sequential's process gets them too, so every cell starts the same runtime.
     devices = tf_gpipe.configure_virtual_cpus(STAGES)
 
-    from tensorflow.python.framework import func_graph  # private: the probe's clock
-
-    depth, traced = [0], [0.0]
-    original = func_graph.func_graph_from_py_func
-
-    def timed(*args, **kwargs):
-        # Nested traces (functions inside the step) are part of their outermost one's time.
-        depth[0] += 1
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            depth[0] -= 1
-            if depth[0] == 0:
-                traced[0] += time.perf_counter() - start
-
-    func_graph.func_graph_from_py_func = timed
+    traced = harness.trace_clock()
     schedule, remat, m = FLAGS.schedules[0], FLAGS.remat[0], int(FLAGS.micro_batches[0])
     try:
         model = _model(schedule, remat, m, devices)
