@@ -145,3 +145,29 @@ def test_each_stage_holds_what_one_f_one_b_allows(with_waits, cpu_devices, monke
         assert worst[0] <= 2 and worst[1] <= 1, worst
     else:
         assert worst[0] > 2, worst
+
+
+def test_evaluate_and_predict_loop_and_match_the_built_out_forward(monkeypatch):
+    """``evaluate`` and ``predict`` run their forward as one loop over micro-batches (uneven
+    and padded ones, a Keras mask, a layer's loss, BatchNormalization's moving statistics)
+    and give what the built-out forward gives; a user's tape around ``__call__`` keeps the
+    built-out forward, which it can differentiate."""
+    x, y = _token_data()
+    pm = tf_gpipe.PipelineModel(_token_layers(), num_stages=2, num_micro_batches=4)
+    pm.compile(optimizer="adam", loss=LOSS)
+    pm.fit(x, y, batch_size=13, epochs=1, shuffle=False, verbose=0)
+    calls = []
+    original = micro_batch_loop.forward
+    monkeypatch.setattr(micro_batch_loop, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    looped = pm.evaluate(x, y, batch_size=13, verbose=0), pm.predict(x, batch_size=13, verbose=0)
+    assert calls
+    pm.micro_batch_loops = False
+    built = pm.evaluate(x, y, batch_size=13, verbose=0), pm.predict(x, batch_size=13, verbose=0)
+    assert_all_close([looped[0]], [built[0]], rtol=1e-6, atol=1e-6)
+    assert_all_close([looped[1]], [built[1]], rtol=1e-6, atol=1e-6)
+    pm.micro_batch_loops = "auto"
+    calls.clear()
+    with tf.GradientTape() as tape:
+        out = pm(x[:13], training=False)
+    assert not calls
+    assert all(g is not None for g in tape.gradient(out, pm.trainable_variables[1:]))

@@ -34,7 +34,9 @@ functions' traces are shared, so that costs the glue only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -113,19 +115,71 @@ def run(
     else GPipe's two loops around ``batch_loss``."""
     targets = targets if micro_loss is not None else None  # GPipe's loss reads them itself
     with stage.inlined():
+        halves = bool(getattr(schedule, "split_backward", False))
         return _Step(
-            schedule, cells, split, masks, rematerializes, sides, targets, cell_loss_grads, deferred
+            loop_waits.waits(schedule),
+            halves,
+            cells,
+            split,
+            masks,
+            rematerializes,
+            sides,
+            targets,
+            cell_loss_grads,
+            deferred,
         ).run(micro_loss, batch_loss)
+
+
+_local = threading.local()  # replicas trace in threads of their own
+
+
+@contextlib.contextmanager
+def untaped() -> Iterator[None]:
+    """Within this scope nothing differentiates the model's forward (Keras' test and predict
+    steps), so ``forward`` may build it as a loop: a user's tape around ``__call__`` would
+    differentiate the stages' calls, which the loop's inlined calls do not offer."""
+    saved = getattr(_local, "untaped", False)
+    _local.untaped = True
+    try:
+        yield
+    finally:
+        _local.untaped = saved
+
+
+def forward_applies(
+    cells: Sequence[Cell], split: Split, masks: Sequence[Any], sides: Sequence[Any] | None
+) -> bool:
+    """Whether ``forward`` builds this forward pass (else each micro-batch is built out)."""
+    if not getattr(_local, "untaped", False) or tf.executing_eagerly() or len(split) < 2:
+        return False
+    if any(getattr(c, "run_eagerly", False) for c in cells):
+        return False
+    leaves = tf.nest.flatten((split.chunks, list(masks), list(sides or [])))
+    return all(t is None or isinstance(t, tf.Tensor) for t in leaves)
+
+
+def forward(
+    cells: Sequence[Cell], split: Split, masks: Sequence[Any], sides: Sequence[Any] | None, training: Any
+) -> tuple[list[Any], list[Any], list[list[tf.Tensor]]]:
+    """Every micro-batch's forward through every stage as one loop, nothing differentiated
+    (``evaluate``, ``predict``): ``(outputs, their Keras masks, the losses layers added)``
+    per micro-batch. Each stage's forwards in micro-batch order."""
+    waits = [loop_waits.Wait("F", s, "F", s, 1) for s in range(len(cells))]
+    with stage.inlined():
+        step = _Step(waits, False, cells, split, masks, lambda s: True, sides, None, None, None)
+        step.training = training
+        outputs, out_masks, _, cell_losses, _ = step.run(None, None)
+    return outputs, out_masks, cell_losses
 
 
 class _Step:
     def __init__(
-        self, schedule, cells, split, masks, rematerializes, sides, targets, cell_loss_grads, deferred
+        self, waits, halves, cells, split, masks, rematerializes, sides, targets, cell_loss_grads, deferred
     ):
         self.cells, self.M = list(cells), len(split)
         self.rematerializes, self.deferred = rematerializes, deferred
-        self.halves = bool(getattr(schedule, "split_backward", False))
-        self.tokens = loop_state.Tokens(loop_waits.waits(schedule), cells)
+        self.halves, self.training = halves, True
+        self.tokens = loop_state.Tokens(waits, cells)
         # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
         # several, or unknown, they share a leading dimension of unknown size.
         shapes = {
@@ -165,7 +219,7 @@ class _Step:
                 cell,
                 x,
                 mask,
-                True,
+                self.training,
                 remat=self.rematerializes(s),
                 nonempty=self._nonempty(m, s),
                 deferred=local,
@@ -272,13 +326,16 @@ class _Step:
             now, emit = {}, {}
             for s in range(S):
                 rec = self.forward(s, x, mask, side, m, state, now, emit)
-                emit["stash", s] = ("each", cells[s].device, (rec.inputs, rec.mask, rec.side, rec.before))
+                if batch_loss is not None:  # what the backward loop replays
+                    emit["stash", s] = ("each", cells[s].device, (rec.inputs, rec.mask, rec.side, rec.before))
                 x, mask = rec.outputs, rec.out_mask
             emit["out",] = ("each", cells[-1].device, (x, mask))
             self.tokens.advance(state, now)
             return emit
 
         first = loop_state.emitting(M, devices, self.tokens.initial("F"), forwards)
+        if batch_loss is None:  # forwards only
+            return self._results([first], [], sums=False)
         outputs, out_masks = zip(*first[0].each(first[1], ("out",)))
         with tf.device(cells[-1].device), tf.name_scope("loss"):
             grads = batch_loss(list(outputs), list(out_masks))
@@ -316,7 +373,7 @@ class _Step:
         second = loop_state.emitting(M, devices, carried, backwards)
         return self._results([first, second], [])
 
-    def _results(self, parts: list[tuple[loop_state.Emitted, dict]], terms: list[Any]):
+    def _results(self, parts: list[tuple[loop_state.Emitted, dict]], terms: list[Any], sums: bool = True):
         cells, M = self.cells, self.M
 
         def find(key):
@@ -339,6 +396,8 @@ class _Step:
                 for bn, sums in zip(stage.functions(cell).pooled_layers(True), pooled):
                     self.deferred.add_sums(bn, sums)
             variables = cell.trainable_variables
+            if not sums:
+                continue
             with tf.device(cell.device):
                 found = [i for i in range(len(variables)) if find(("rows", s, i))[0] is not None]
                 free = sparse.batch_free(cell, *self.input_specs[s]) if found else frozenset()

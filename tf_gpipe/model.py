@@ -10,7 +10,18 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_gpipe import graph, keras_compat, microbatch, saving, schedules, stage, structure, trainer, update
+from tf_gpipe import (
+    graph,
+    keras_compat,
+    micro_batch_loop,
+    microbatch,
+    saving,
+    schedules,
+    stage,
+    structure,
+    trainer,
+    update,
+)
 from tf_gpipe.backend import check_backend
 from tf_gpipe.balance import balance_by_cost
 from tf_gpipe.cell import Cell
@@ -353,7 +364,7 @@ class PipelineModel(keras.Model):
 
     def call(self, inputs: Any, training: bool | None = None, mask: Any = None) -> Any:
         xs, masks, sides = self._split(inputs, mask)
-        acts, out_masks, losses = self._pipeline.call(xs, masks, training, sides)
+        acts, out_masks, losses = self._pipeline.call(xs, masks, training, sides, self.micro_batch_loops)
         outputs = xs.merge(acts, out_masks)
         for share, row in zip(trainer.shares(xs.sizes, structure.batch_size(inputs)), losses):
             for loss in row:
@@ -407,6 +418,14 @@ class PipelineModel(keras.Model):
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         self._build_training_state()
+
+    def test_step(self, data: Any) -> dict:
+        with micro_batch_loop.untaped():  # evaluate: the forward may be a loop
+            return super().test_step(data)
+
+    def predict_step(self, data: Any) -> Any:
+        with micro_batch_loop.untaped():
+            return super().predict_step(data)
 
     def train_step(self, data: Any) -> dict:
         """One mini-batch: the schedule's forwards and backwards stage by stage,

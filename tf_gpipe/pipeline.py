@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import remat, stage
+from tf_gpipe import micro_batch_loop, remat, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -45,14 +45,27 @@ class Pipeline:
         return False
 
     def call(
-        self, split: Split, masks: list[Any], training: bool | None, sides: list[Any] | None = None
+        self,
+        split: Split,
+        masks: list[Any],
+        training: bool | None,
+        sides: list[Any] | None = None,
+        loops: bool | str = False,
     ) -> tuple[list[Any], list[Any], list[list[tf.Tensor]]]:
         """Forward every micro-batch through every cell in fill-drain order.
 
         Any enclosing tape differentiates through it (re-materializing where
         configured). Returns per-micro-batch outputs and masks, and per
-        micro-batch the losses its layers added.
+        micro-batch the losses its layers added. Not training, in Keras' test and predict
+        steps, a loop over micro-batches where ``loops`` (``micro_batch_loops``) asks for it.
         """
+        if (
+            not training
+            and loops
+            and micro_batch_loop.chosen(loops, self.cells)
+            and micro_batch_loop.forward_applies(self.cells, split, masks, sides)
+        ):
+            return micro_batch_loop.forward(self.cells, split, masks, sides, training)
         M, S = len(split), len(self.cells)
         acts = list(split.chunks)
         masks = list(masks)
