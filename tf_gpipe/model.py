@@ -10,23 +10,13 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_gpipe import (
-    graph,
-    keras_compat,
-    micro_batch_loop,
-    microbatch,
-    saving,
-    schedules,
-    stage,
-    structure,
-    trainer,
-    update,
-)
+from tf_gpipe import graph, keras_compat, microbatch, saving, schedules, stage, structure, trainer, update
 from tf_gpipe.backend import check_backend
 from tf_gpipe.balance import balance_by_cost
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.jit import choose_jit
+from tf_gpipe.micro_batch_loop import untaped
 from tf_gpipe.partition import check_tied_layers, split_by_balance, unpack_layers
 from tf_gpipe.pipeline import Pipeline, check_settings
 
@@ -420,11 +410,11 @@ class PipelineModel(keras.Model):
         self._build_training_state()
 
     def test_step(self, data: Any) -> dict:
-        with micro_batch_loop.untaped():  # evaluate: the forward may be a loop
+        with untaped():  # evaluate: the forward may be a loop
             return super().test_step(data)
 
     def predict_step(self, data: Any) -> Any:
-        with micro_batch_loop.untaped():
+        with untaped():
             return super().predict_step(data)
 
     def train_step(self, data: Any) -> dict:
