@@ -12,9 +12,9 @@ on a token embedding, Adam. Three measurements (``--mode``):
   ``--repeats`` times, median.
 * ``accum``: a steady step of ``PipelineModel(K=4, M=16)`` against a ``keras.Sequential`` whose
   ``train_step`` sums the gradients of the same 16 micro-batches and applies them once.
-* ``loop``: a steady step of ``PipelineModel(K=4, M=--accum_m, remat="always")`` built as GPipe's
-  loops over micro-batches (``tf_gpipe.loop``) against the same step built out (one call per
-  (stage, micro-batch), as before the loop), alternated A/B in one process.
+* ``loop``: a steady step of ``PipelineModel(K=4, M=--accum_m)`` (``--loop_schedule``,
+  ``--loop_remat``) built as loops over micro-batches (``tf_gpipe.micro_batch_loop``) against
+  the same step built out (one call per (stage, micro-batch)), alternated A/B in one process.
 
 ``--first_builders=built_out,loop`` measures the first step both ways (``micro_batch_loops=True``:
 GPipe with every stage re-materialized, ``remat="always"`` here, and M >= 2).
