@@ -110,11 +110,13 @@ def call(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` (``fn`` a ``tf.function``), with the captured handles ``replaced`` names."""
     table = _replacements()
     found = getattr(_local, "found", None)
-    if found is not None and hasattr(fn, "get_concrete_function"):
-        known = {id(h) for h in found}
-        found.extend(h for h in captured(fn.get_concrete_function(*args)) if id(h) not in known)
-    if not table or not hasattr(fn, "get_concrete_function"):
+    if (not table and found is None) or not hasattr(fn, "get_concrete_function"):
         return fn(*args)
     concrete = fn.get_concrete_function(*args)
+    if found is not None:
+        known = {id(h) for h in found}
+        found.extend(h for h in captured(concrete) if id(h) not in known)
+    if not table:
+        return fn(*args)
     inputs = [table.get(id(t), t) for t in concrete.captured_inputs]
     return tf_compat.call_with_captures(concrete, args, inputs)

@@ -80,9 +80,7 @@ def applies(
     tracer: Any,
 ) -> bool:
     """Whether ``run`` builds this step (else every action is built out)."""
-    if tracer is not None or tf.executing_eagerly() or len(split) < 2:
-        return False
-    if any(getattr(c, "run_eagerly", False) for c in cells):
+    if tracer is not None or not _loopable(cells, split, (masks, sides, targets)):
         return False
     if not per_micro_batch and not all(rematerializes(s) for s in range(len(cells))):
         return False  # a tape cannot wait between two loops
@@ -90,10 +88,17 @@ def applies(
         waits = loop_waits.waits(schedule)
     except ValueError:
         return False
-    if not per_micro_batch and any(w.kind == "F" and w.on_kind != "F" for w in waits):
-        return False  # a forward waiting for a backward needs both in one loop
-    # TensorArrays hold dense tensors only (no SparseTensor or RaggedTensor input).
-    leaves = tf.nest.flatten((split.chunks, list(masks), list(sides or []), list(targets or [])))
+    # A forward waiting for a backward needs both in one loop.
+    return per_micro_batch or not any(w.kind == "F" and w.on_kind != "F" for w in waits)
+
+
+def _loopable(cells: Sequence[Cell], split: Split, per_micro_batch_data: Any) -> bool:
+    """Whether these micro-batches can go through a loop at all: a graph being built, two
+    or more micro-batches, no stage run eagerly, and only dense tensors (what TensorArrays
+    hold: no SparseTensor or RaggedTensor)."""
+    if tf.executing_eagerly() or len(split) < 2 or any(getattr(c, "run_eagerly", False) for c in cells):
+        return False
+    leaves = tf.nest.flatten((split.chunks, [list(d or []) for d in per_micro_batch_data]))
     return all(t is None or isinstance(t, tf.Tensor) for t in leaves)
 
 
@@ -150,12 +155,7 @@ def forward_applies(
     cells: Sequence[Cell], split: Split, masks: Sequence[Any], sides: Sequence[Any] | None
 ) -> bool:
     """Whether ``forward`` builds this forward pass (else each micro-batch is built out)."""
-    if not getattr(_local, "untaped", False) or tf.executing_eagerly() or len(split) < 2:
-        return False
-    if any(getattr(c, "run_eagerly", False) for c in cells):
-        return False
-    leaves = tf.nest.flatten((split.chunks, list(masks), list(sides or [])))
-    return all(t is None or isinstance(t, tf.Tensor) for t in leaves)
+    return getattr(_local, "untaped", False) and _loopable(cells, split, (masks, sides))
 
 
 def forward(
@@ -166,19 +166,29 @@ def forward(
     per micro-batch. Each stage's forwards in micro-batch order."""
     waits = [loop_waits.Wait("F", s, "F", s, 1) for s in range(len(cells))]
     with stage.inlined():
-        step = _Step(waits, False, cells, split, masks, lambda s: True, sides, None, None, None)
-        step.training = training
+        step = _Step(waits, False, cells, split, masks, lambda s: True, sides, None, None, None, training)
         outputs, out_masks, _, cell_losses, _ = step.run(None, None)
     return outputs, out_masks, cell_losses
 
 
 class _Step:
     def __init__(
-        self, waits, halves, cells, split, masks, rematerializes, sides, targets, cell_loss_grads, deferred
+        self,
+        waits,
+        halves,
+        cells,
+        split,
+        masks,
+        rematerializes,
+        sides,
+        targets,
+        cell_loss_grads,
+        deferred,
+        training=True,
     ):
         self.cells, self.M = list(cells), len(split)
         self.rematerializes, self.deferred = rematerializes, deferred
-        self.halves, self.training = halves, True
+        self.halves, self.training = halves, training
         self.tokens = loop_state.Tokens(waits, cells)
         # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
         # several, or unknown, they share a leading dimension of unknown size.
@@ -246,36 +256,30 @@ class _Step:
             raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
         loss_grads = [weight] * n_losses
         halves = self.halves
+
+        def differentiate(go, input_grads, weight_grads):
+            """Once ``go`` is ready: the input gradients, and the weight gradients added to the sums."""
+            return remat.backward(
+                cell,
+                rec,
+                ordering.after(go, list(dy)),
+                ordering.after(go, loss_grads),
+                True,
+                cell.trainable_variables if weight_grads else [],
+                need_input_grads=input_grads,
+                to_sums=weight_grads,
+                need_weight_grads=weight_grads,
+                after=state["sums", s][0] if weight_grads else None,
+            )
+
         with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):
             go = self.tokens.before(state, now, "B", s)
             in_grads: list[Any] = []
             if not (halves and s == 0):  # stage 0's input needs no gradient: no B to run
-                in_grads, result = remat.backward(
-                    cell,
-                    rec,
-                    ordering.after(go, list(dy)),
-                    ordering.after(go, loss_grads),
-                    True,
-                    [] if halves else cell.trainable_variables,
-                    need_input_grads=s > 0,
-                    to_sums=not halves,
-                    need_weight_grads=not halves,
-                    after=None if halves else state["sums", s][0],
-                )
+                in_grads, result = differentiate(go, s > 0, not halves)
             if halves:
                 now["B", s] = loop_state.token(in_grads) if s > 0 else loop_state.token(go, dy)
-                go = self.tokens.before(state, now, "W", s)
-                _, result = remat.backward(
-                    cell,
-                    rec,
-                    ordering.after(go, list(dy)),
-                    ordering.after(go, loss_grads),
-                    True,
-                    cell.trainable_variables,
-                    need_input_grads=False,
-                    to_sums=True,
-                    after=state["sums", s][0],
-                )
+                _, result = differentiate(self.tokens.before(state, now, "W", s), False, True)
             token, grads = result
             state["sums", s] = [token]
             now["W" if halves else "B", s] = token
@@ -382,7 +386,8 @@ class _Step:
                     return emitted, state
             return None, None
 
-        outputs, out_masks = zip(*find(("out",))[0].each(find(("out",))[1], ("out",)))
+        emitted, state = find(("out",))
+        outputs, out_masks = zip(*emitted.each(state, ("out",)))
         cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
         totals: dict[int, Any] = {}
         for s, cell in enumerate(cells):
