@@ -186,14 +186,14 @@ def test_the_default_loops_on_cpus(cpu_devices, monkeypatch):
         dict(micro_batch_loops=False),
         dict(micro_batch_loops=True, num_micro_batches=1),
         dict(num_micro_batches=1),
-        dict(remat="except_last"),
+        dict(remat="except_last", micro_batch_loops=False),
         dict(schedule="1f1b", micro_batch_loops=False),
         dict(schedule="1f1b", num_micro_batches=1),
     ],
 )
 def test_other_steps_are_built_out(kwargs, monkeypatch):
-    """With ``micro_batch_loops=False``, at M=1 (nothing to loop over), and for GPipe with
-    another remat mode, the executor builds every action."""
+    """With ``micro_batch_loops=False``, or at M=1 (nothing to loop over), the executor
+    builds every action."""
     assert not _uses_loop(monkeypatch, **kwargs)
 
 
@@ -221,10 +221,11 @@ def test_auto_keeps_gpu_stages_built_out():
     assert micro_batch_loop.chosen(True, [gpu]) and not micro_batch_loop.chosen(False, [cpu])
 
 
-@pytest.mark.parametrize("kwargs", [dict(remat="never"), dict(remat="except_last")])
-def test_micro_batch_loops_refuses_gpipe_with_other_remat_modes(kwargs):
-    with pytest.raises(ValueError, match="micro_batch_loops=True builds GPipe's step with every stage"):
-        tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, micro_batch_loops=True, **kwargs)
+@pytest.mark.parametrize("remat", ["never", "except_last"])
+def test_gpipe_with_taped_stages_loops_by_default(remat, monkeypatch):
+    """GPipe with stages that keep their activations is loops too: their forward halves keep
+    what the backward halves read (``tf_gpipe.stash``)."""
+    assert _uses_loop(monkeypatch, remat=remat)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

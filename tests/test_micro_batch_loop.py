@@ -2,13 +2,14 @@
 the built-out step's results, a graph that does not grow with M, and each device held to
 its schedule's order across micro-batches (schedules.loop_waits)."""
 
+import re
 import threading
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, mlp_layers
+from helpers import assert_all_close, mlp_layers, partition_graphs
 from test_loop import _token_data, _token_layers
 
 import tf_gpipe
@@ -17,6 +18,7 @@ from tf_gpipe.schedules.loop_waits import Wait, waits
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 SCHEDULES = {
+    "gpipe": dict(schedule="gpipe"),
     "1f1b": dict(schedule="1f1b"),
     "zb-h1": dict(schedule="zb-h1"),
     "interleaved": dict(schedule="interleaved", virtual_stages=2),
@@ -171,3 +173,63 @@ def test_evaluate_and_predict_loop_and_match_the_built_out_forward(monkeypatch):
         out = pm(x[:13], training=False)
     assert not calls
     assert all(g is not None for g in tape.gradient(out, pm.trainable_variables[1:]))
+
+
+_STAGE_SCOPE = re.compile(r"(?:^|/)stage(\d+)_(forward|backward|replay)/")
+
+
+def _same_device(a, b):
+    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (a.device_type, a.device_index) == (b.device_type, b.device_index)
+
+
+def test_gpipe_keeps_taped_stages_activations_between_its_loops(cpu_devices):
+    """GPipe with ``remat="never"`` as two loops: each stage's forward half and the gradient
+    of its kept activations run on its device (read from the partition graphs that ran), and
+    nothing is replayed."""
+    devices = cpu_devices[1:4]
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=4), num_stages=3, num_micro_batches=3, remat="never", devices=devices
+    )
+    pm.compile(optimizer="sgd", loss=LOSS)
+    x = np.random.RandomState(0).rand(12, 8).astype("float32")
+    graphs = partition_graphs(lambda: pm.train_on_batch(x, np.arange(12) % 3))
+    misplaced, gradients, scopes = [], set(), set()
+    for node in (n for g in graphs for n in g.node):
+        found = _STAGE_SCOPE.search(node.name)
+        if not found:
+            continue
+        s, scope = int(found.group(1)), found.group(2)
+        scopes.add(scope)
+        if "_grad/" in node.name and "MatMul" in node.op:
+            gradients.add(s)
+        # A transfer is named after what it carries: the next stage receives a stage's output.
+        if node.op not in ("_Recv", "_Send") and not _same_device(node.device, devices[s]):
+            misplaced.append((node.name, node.op, node.device))
+    assert misplaced == [], misplaced[:10]
+    assert gradients == {0, 1, 2}, gradients
+    assert "replay" not in scopes and {"forward", "backward"} <= scopes, scopes
+
+
+def _stage_call_sites(M, **kwargs):
+    """The stage-function calls in the step's graph and its functions (the loop bodies), each
+    a body TensorFlow instantiates or inlines once per call site."""
+    keras.backend.clear_session()
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=M, **kwargs)
+    pm.compile(optimizer="sgd", loss=LOSS)
+    pm.build((None, 8))
+    pm.optimizer.build(pm.trainable_variables)
+    spec = (tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([None], tf.int64))
+    graph = tf.function(pm.train_step).get_concrete_function(spec).graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return sum(n.op in ("PartitionedCall", "StatefulPartitionedCall") and "stage" in n.name for n in nodes)
+
+
+@pytest.mark.parametrize("remat", ["never", "except_last"])
+def test_gpipe_with_taped_stages_builds_a_step_that_does_not_grow_with_m(remat):
+    """As many stage calls for M=8 as for M=2: GPipe's first step with taped stages stays flat
+    in M, where built out it grows by K forwards and their gradients per micro-batch."""
+    sizes = {M: _stage_call_sites(M, remat=remat) for M in (2, 8)}
+    assert sizes[2] == sizes[8] > 0, sizes
+    built = {M: _stage_call_sites(M, remat=remat, micro_batch_loops=False) for M in (2, 8)}
+    assert built[8] > built[2], built

@@ -3,6 +3,7 @@
 import contextlib
 import importlib
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -218,3 +219,44 @@ def test_update_input_rewires_an_op():
 
     assert float(f(tf.constant(0.0))) == 11.0, VERSION
     assert seen == [True]
+
+
+def test_forward_backward_splits_a_call_into_its_halves(cpu_devices):
+    """The forward half returns the outputs and what the gradient reads; the gradient half,
+    given that, returns what a tape gives (a dense and a rows gradient of captured variables)."""
+    with tf.device(cpu_devices[1]):
+        w = tf.Variable(tf.random.normal([4, 3], seed=1))
+        emb = tf.Variable(tf.random.normal([10, 4], seed=2))
+
+    @tf.function(autograph=False)
+    def f(x, ids):
+        return tf.nn.relu(x @ w) + tf.reduce_sum(tf.gather(emb, ids) @ w, 0)
+
+    x, ids = tf.random.normal([5, 4], seed=3), tf.constant([1, 2, 2])
+    dy = tf.random.normal([5, 3], seed=4)
+    concrete = f.get_concrete_function(x, ids)
+    first, second, n = tf_compat.forward_backward(concrete)
+    assert n == 1
+    args = tf_compat.flat_arguments(concrete, (x, ids))
+    outs = tf_compat.call_forward(first, args + list(concrete.captured_inputs))
+    position = {id(t): j for j, t in enumerate(first.graph.outputs)}
+    kept = [outs[position[id(c)]] if id(c) in position else c for c in second.captured_inputs]
+    grads = tf_compat.call_backward(second, [dy], kept)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = f(x, ids)
+    want = tape.gradient(out, [x, w, emb], output_gradients=dy)
+    handles = [id(h) for h in concrete.captured_inputs]
+    got = [grads[0]] + [grads[len(args) + handles.index(id(v.handle))] for v in (w, emb)]
+    np.testing.assert_allclose(outs[0], out)
+    assert isinstance(got[2], tf.IndexedSlices)
+    for g, ref in zip(got, want):
+        np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(ref), rtol=1e-6)
+
+
+def test_a_missing_forward_backward_pair_fails_loudly():
+    class Bare:
+        pass
+
+    with pytest.raises(tf_compat.TFCompatError, match="_delayed_rewrite_functions"):
+        tf_compat.forward_backward(Bare())

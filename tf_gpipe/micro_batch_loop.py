@@ -8,10 +8,10 @@ calls as one micro-batch needs, whatever M, each inlined (``stage.inlined``):
 
 * a schedule whose loss is per micro-batch (1F1B, interleaved, ZB-H1; any remat mode): one
   loop, ``F(m)@s0 ─► ... ─► F(m)@s_last ─► loss(m) ─► B(m)@s_last ─► ... ─► B(m)@s0``;
-* GPipe, whose loss sees the whole mini-batch (every stage re-materialized): a loop of
-  forwards, the loss, a loop of backwards. What a backward needs of its forward (its
-  inputs, mask, side inputs and the state it read) waits in TensorArrays on the stage's
-  device, freed once read.
+* GPipe, whose loss sees the whole mini-batch: a loop of forwards, the loss, a loop of
+  backwards. What a backward needs of its forward waits in TensorArrays on the stage's
+  device, freed once read: a re-materialized stage's inputs, mask, side inputs and the
+  state it read, or what the gradient of a taped stage reads (``tf_gpipe.stash``).
 
 Every iteration may run at once (``parallel_iterations``): what overlaps micro-batches
 across stages is dataflow. What holds each device to its schedule is
@@ -82,8 +82,12 @@ def applies(
     """Whether ``run`` builds this step (else every action is built out)."""
     if tracer is not None or not _loopable(cells, split, (masks, sides, targets)):
         return False
-    if not per_micro_batch and not all(rematerializes(s) for s in range(len(cells))):
-        return False  # a tape cannot wait between two loops
+    taped = [c for s, c in enumerate(cells) if not rematerializes(s)]
+    if not per_micro_batch and any(stage.runs_loops(c) for c in taped):
+        # Between GPipe's two loops a taped stage keeps what its gradient reads
+        # (``tf_gpipe.stash``): a recurrent layer's per-step stacks are no tensors a
+        # TensorArray holds.
+        return False
     try:
         waits = loop_waits.waits(schedule)
     except ValueError:
@@ -207,6 +211,10 @@ class _Step:
         chunks = [(split.chunks[m], masks[m], sides[m], targets[m]) for m in range(M)]
         self.data, self.arrays = self._stacked(chunks, cells[0].device, self.relax)
         self.input_specs: dict[int, Any] = {}
+        # GPipe's loop of forwards: a taped stage's forward keeps what its backward reads
+        # (``tf_gpipe.stash``), how it reads it in ``plans``.
+        self.stashing = False
+        self.plans: dict[int, Any] = {}
 
     def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list]:
         layout = loop_state.Layout(values[0], relax)
@@ -236,6 +244,7 @@ class _Step:
                 side=side,
                 persistent=self.halves,
                 input_grads=s > 0,
+                halves=self.stashing,
             )
             now["F", s] = loop_state.token(rec.outputs)
         self.input_specs.setdefault(s, sparse.relaxed_specs((rec.inputs, rec.mask, rec.side)))
@@ -330,13 +339,17 @@ class _Step:
             now, emit = {}, {}
             for s in range(S):
                 rec = self.forward(s, x, mask, side, m, state, now, emit)
-                if batch_loss is not None:  # what the backward loop replays
+                if rec.plan is not None:  # what the backward half of a taped stage reads
+                    self.plans[s] = rec.plan
+                    emit["stash", s] = ("each", cells[s].device, list(rec.kept or []))
+                elif batch_loss is not None:  # what the backward loop replays
                     emit["stash", s] = ("each", cells[s].device, (rec.inputs, rec.mask, rec.side, rec.before))
                 x, mask = rec.outputs, rec.out_mask
             emit["out",] = ("each", cells[-1].device, (x, mask))
             self.tokens.advance(state, now)
             return emit
 
+        self.stashing = batch_loss is not None
         first = loop_state.emitting(M, devices, self.tokens.initial("F"), forwards)
         if batch_loss is None:  # forwards only
             return self._results([first], [], sums=False)
@@ -354,20 +367,26 @@ class _Step:
                 with tf.device(cells[s].device):
                     held = state["stash", s]
                     at = m.on(cells[s].device)
-                    x, mask, side, before = stash[s].expand(stash[s].read(held, at))
+                    kept = stash[s].expand(stash[s].read(held, at))
                     # Dropped after this backward, as the built-out step drops each record.
                     state["stash", s] = stash[s].free(held, at)
-                rec = replay.Record(
-                    inputs=x,
-                    mask=mask,
-                    outputs=None,
-                    out_mask=None,
-                    losses=[],
-                    nonempty=self._nonempty(m, s),
-                    side=side,
-                    before=before,
-                    deferred=self.deferred is not None,
-                )
+                nonempty = self._nonempty(m, s)
+                if s in self.plans:
+                    plan = self.plans[s]
+                    rec = replay.Record(None, None, None, None, [], nonempty=nonempty, kept=kept, plan=plan)
+                else:
+                    x, mask, side, before = kept
+                    rec = replay.Record(
+                        inputs=x,
+                        mask=mask,
+                        outputs=None,
+                        out_mask=None,
+                        losses=[],
+                        nonempty=nonempty,
+                        side=side,
+                        before=before,
+                        deferred=self.deferred is not None,
+                    )
                 dy = self.backward(s, rec, dy, m, n_losses[s], state, now, emit)
             self.tokens.advance(state, now)
             return emit

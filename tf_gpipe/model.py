@@ -92,9 +92,8 @@ class PipelineModel(keras.Model):
             keyword argument when its ``call`` has a parameter of that name. Side
             inputs are not differentiated.
         micro_batch_loops: build ``fit``'s step as loops over micro-batches, so the first
-            step stops growing with M (docs/api.md): for ``"gpipe"`` with ``remat="always"``,
-            and for the other schedules with any ``remat``; M >= 2, dense inputs, no
-            timeline. ``"auto"`` (the default): where they apply and every stage is on a
+            step stops growing with M (docs/api.md): every schedule, any ``remat``; M >= 2,
+            dense inputs, no timeline. ``"auto"`` (the default): where they apply and every stage is on a
             CPU; ``True``: on any device; ``False``: never. ``tick_loop=`` is its deprecated name.
         plan: a ``tf_gpipe.plan(...)`` result: sets ``num_stages``, ``balance``,
             ``num_micro_batches``, ``remat``, ``schedule``, ``virtual_stages`` and

@@ -119,12 +119,6 @@ def check_settings(
         raise ValueError(
             f"tf_gpipe: micro_batch_loops must be True, False or 'auto', got {micro_batch_loops!r}."
         )
-    if micro_batch_loops is True and schedule == "gpipe" and remat != "always":
-        raise ValueError(
-            "tf_gpipe: micro_batch_loops=True builds GPipe's step with every stage re-materialized "
-            f"(its loss needs every forward first); got remat={remat!r}. Use remat='always', "
-            "another schedule, or micro_batch_loops='auto' (the loops where they apply) or False."
-        )
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"tf_gpipe: virtual_stages must be an integer >= 1, got {virtual_stages!r}.")
     if num_stages is not None and (

@@ -18,9 +18,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, ordering, stage, tf_compat
+from tf_gpipe import keras_compat, ordering, stage, stash, tf_compat
 from tf_gpipe.cell import Cell
-from tf_gpipe.replay import Record, float_positions, tape_gradients
+from tf_gpipe.replay import Record, float_positions, mask_grad, tape_gradients
 
 __all__: list[str] = []
 
@@ -36,6 +36,7 @@ def forward(
     side: dict | None = None,
     persistent: bool = False,
     input_grads: bool = True,
+    halves: bool = False,
 ) -> Record:
     """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
 
@@ -43,12 +44,21 @@ def forward(
     once. With ``remat`` the intermediate activations are dropped and the
     backward pass replays the cell; without it a tape keeps them (``persistent``
     when a split schedule takes the input and the weight gradients from it in
-    two calls; ``input_grads``: whether the inputs get gradients from it). With
+    two calls; ``input_grads``: whether the inputs get gradients from it), or, with
+    ``halves``, its forward half keeps what the backward reads (``tf_gpipe.stash``). With
     ``deferred`` (a ``batchnorm.DeferredStats``) BatchNormalization moments are pooled
     there instead of moving the statistics now.
     """
     fns = stage.functions(cell)
     symbolic = persistent and not tf.executing_eagerly()
+    if halves and not remat:
+        outputs, out_mask, losses, before, kept, plan = stash.forward(
+            cell, inputs, mask, side, nonempty, training, deferred, input_grads
+        )
+        return Record(
+            inputs=inputs, mask=mask, outputs=outputs, out_mask=out_mask, losses=losses, nonempty=nonempty,
+            side=side, before=before, deferred=deferred is not None, kept=kept, plan=plan,
+        )  # fmt: skip
     with tf.device(cell.device):
         tape = None
         if remat:
@@ -153,6 +163,17 @@ def backward(
     if not need_weight_grads:
         variables, to_sums = [], False
 
+    if record.plan is not None:
+        assert record.kept is not None
+        in_grads, var_grads = stash.backward(
+            cell, record.plan, record.kept, list(output_grads), list(loss_grads), need_input_grads
+        )
+        if to_sums:
+            return in_grads, stage.functions(cell).sums.add(var_grads, record.nonempty, after)
+        found = {}
+        for v, g in zip(cell.trainable_variables, var_grads):
+            found[id(v)] = found[id(keras_compat.backing_variable(v))] = mask_grad(g, record.nonempty)
+        return in_grads, [found.get(id(v)) for v in variables]
     if record.tape is None:
         in_grads, cell_grads = stage.functions(cell).backward(
             record.inputs,

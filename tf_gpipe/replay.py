@@ -83,6 +83,9 @@ class Record:
     deferred: bool = False
     # Taped, for a split schedule, in a graph: each half differentiates with ``tf.gradients``.
     split: bool = False
+    # Taped as two halves (``tf_gpipe.stash``): what the gradient half reads, and how.
+    kept: list[tf.Tensor] | None = None
+    plan: Any = None
 
 
 def run(cell: Cell, record: Record, training: bool | None) -> tuple[Any, list[tf.Tensor]]:

@@ -108,7 +108,7 @@ class StageFunctions:
         # its loop inside the function).
         self._forward_taped = tf.function(
             self._forward_taped_body,
-            jit_compile=jit_compile and not _runs_loops(cell),
+            jit_compile=jit_compile and not runs_loops(cell),
             reduce_retracing=True,
             autograph=False,
         )
@@ -146,24 +146,35 @@ class StageFunctions:
         value each written variable had, for the replay. BatchNormalization moments
         go into ``deferred`` (a ``batchnorm.DeferredStats``) when it is given.
         """
-        defer = self._defers(deferred, training)
         with tf.device(self.cell.device):
-            args = (inputs, mask, side, nonempty, training, defer)
             if taped:
                 # With the variable handles it captured: a tape differentiates the call w.r.t.
                 # the variables it knows, which a loop's packed handles are not.
-                result = self._forward_taped(*args, bool(input_grads))
+                fn, args = self.taped_call(inputs, mask, side, nonempty, training, deferred, input_grads)
+                result = fn(*args)
             else:
+                args = (inputs, mask, side, nonempty, training, self._defers(deferred, training))
                 result = handles.call(self._plain_forward(), *args)
             outputs, out_mask, losses, before, moments = result
-        if defer:
-            for bn, sums in zip(self._deferred_layers[(training, defer)], moments):
-                deferred.add_sums(bn, sums)
+        self.collect_moments(deferred, training, moments)
         if out_mask is not None:
             # A Keras mask does not leave a function on its tensor; a loss or a layer
             # reading the outputs expects it there, as after keras.Sequential's last layer.
             attach_mask(outputs, out_mask)
         return outputs, out_mask, list(losses), list(before)
+
+    def taped_call(
+        self, inputs: Any, mask: Any, side: Any, nonempty: Any, training: Any, deferred: Any, input_grads: Any
+    ) -> tuple[Any, tuple]:
+        """The taped forward function and its arguments for one micro-batch (see ``forward``)."""
+        defer = self._defers(deferred, training)
+        return self._forward_taped, (inputs, mask, side, nonempty, training, defer, bool(input_grads))
+
+    def collect_moments(self, deferred: Any, training: Any, moments: list[Any]) -> None:
+        """Pool a forward's BatchNormalization moments into ``deferred``, where it defers them."""
+        if self._defers(deferred, training):
+            for bn, sums in zip(self._deferred_layers[(training, True)], moments):
+                deferred.add_sums(bn, sums)
 
     def _plain_forward(self) -> Any:
         """The forward function (not taped) callers in this scope use: inlined or not."""
@@ -369,7 +380,7 @@ class StageFunctions:
                 return in_grads, self.sums.add_in_body(var_grads)
 
 
-def _runs_loops(cell: Cell) -> bool:
+def runs_loops(cell: Cell) -> bool:
     """Whether a layer of ``cell`` (nested ones included) is a Keras recurrent layer that
     runs as a loop over time steps (not ``unroll=True``)."""
     return any(

@@ -179,3 +179,51 @@ def update_input(op: Any, index: int, tensor: Any) -> None:
     if method is None:
         raise _gone("Operation._update_input", "keep a recurrent stage's gradient loop on its device")
     method(index, tensor)
+
+
+def forward_backward(concrete: Any) -> tuple[Any, Any, int]:
+    """A traced function split in two: ``(forward, backward, n)``.
+
+    ``forward`` (called with ``call_forward``) returns the function's ``n`` outputs and,
+    after them, the intermediates its gradient reads; ``backward`` (``call_backward``) takes
+    the gradients of the first ``n`` outputs that are differentiable and returns those of
+    every input, captured ones included. GPipe's loops with ``remat="never"`` keep those
+    intermediates between their loop of forwards and their loop of backwards
+    (``tf_gpipe.stash``), where no tape can wait. Uses the pair TensorFlow builds to
+    differentiate a call in a graph: ``ConcreteFunction._delayed_rewrite_functions``.
+    """
+    rewrite = getattr(concrete, "_delayed_rewrite_functions", None)
+    pair = getattr(rewrite, "forward_backward", None)
+    if pair is None:
+        raise _gone(
+            "ConcreteFunction._delayed_rewrite_functions.forward_backward",
+            "keep a taped stage's activations between GPipe's two loops",
+        )
+    n = len(concrete.function_type.flat_outputs)
+    forward, backward = pair(n)
+    return forward, backward, n
+
+
+def call_forward(forward: Any, flat_inputs: Sequence[Any]) -> list[Any]:
+    """``forward``'s flat outputs (``forward_backward``) for its flat inputs, captured ones last."""
+    return list(forward.call_flat(*flat_inputs))
+
+
+def call_backward(backward: Any, output_grads: Sequence[Any], captured_inputs: Sequence[Any]) -> list[Any]:
+    """``backward``'s gradients (``forward_backward``): one per input of the forward, None
+    where unconnected, with the intermediates it reads given as ``captured_inputs``."""
+    return list(call_with_flat_captures(backward, output_grads, captured_inputs))
+
+
+def call_with_flat_captures(concrete: Any, flat_args: Sequence[Any], captured_inputs: Sequence[Any]) -> Any:
+    """``concrete`` called with flat tensors ``flat_args`` and ``captured_inputs`` in place of
+    what it captured (``ConcreteFunction._call_flat``)."""
+    call_flat = getattr(concrete, "_call_flat", None)
+    if call_flat is None:
+        raise _gone("ConcreteFunction._call_flat", "pass a stage its variable handles inside the loops")
+    return call_flat(list(flat_args), captured_inputs=list(captured_inputs))
+
+
+def flat_arguments(concrete: Any, args: Sequence[Any]) -> list[Any]:
+    """The tensors ``concrete(*args)`` passes its graph, in the order of its inputs."""
+    return list(concrete.function_type.unpack_inputs(concrete.function_type.bind(*args)))

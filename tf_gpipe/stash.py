@@ -1,0 +1,175 @@
+"""A taped stage call as two halves: a forward that returns what its gradient reads, and that gradient.
+
+GPipe's step runs every forward before the whole mini-batch's loss and every backward
+after it. Built as loops (``tf_gpipe.micro_batch_loop``), that is a loop of forwards and a
+loop of backwards, and no tape can wait from one loop to the other. A re-materialized
+stage needs only its input there and replays the rest (``tf_gpipe.replay``). A stage that
+keeps its activations (``remat="never"``, the last stage of ``"except_last"``) is
+differentiated the way TensorFlow differentiates any function call in a graph: the call
+is rewritten to also output the intermediates its gradient reads, and the gradient is a
+second function of those intermediates (``tf_compat.forward_backward``). Here the forward
+loop makes the rewritten call and keeps the intermediates in TensorArrays, one entry per
+micro-batch on the stage's device; the backward loop calls the gradient function with
+them. Nothing is recomputed; the memory is the built-out step's.
+
+The forward is the taped forward function of the stage (``StageFunctions.forward``,
+``taped=True``): its gradient is gated (``tf_gpipe.gated``), its variable writes happen
+once, in the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+from tf_gpipe import keras_compat, stage, tf_compat
+from tf_gpipe.cell import Cell, attach_mask
+
+__all__: list[str] = []
+
+
+def _differentiable(dtype: tf.DType) -> bool:
+    """What a gradient function takes a gradient for (TensorFlow's ``IsTrainable``)."""
+    return dtype.is_floating or dtype.is_complex or dtype in (tf.resource, tf.variant)
+
+
+@dataclass
+class Plan:
+    """How one stage's backward half reads what its forward half kept.
+
+    ``feeds[i]``, for the i-th input the gradient function captured: ``("kept", j)``, the
+    forward's j-th kept tensor, or ``("given", t)``, the tensor ``t`` itself (a variable
+    handle the forward captured, the same in every micro-batch).
+    """
+
+    backward: Any
+    feeds: list[tuple[str, Any]]
+    trainable_outputs: list[int]  # positions in the forward's outputs that take a gradient
+    output_specs: list[tf.TensorSpec]  # of every forward output (a zero gradient's shape)
+    output_slots: dict[int, tuple[str, int]]  # forward output -> ("outputs" | "losses", index)
+    n_inputs: int  # flat tensor arguments of the forward (its captured inputs follow)
+    input_positions: list[int]  # for each of tf.nest.flatten(inputs): its flat argument, or -1
+    variable_positions: list[int]  # for each trainable variable: its gradient's position
+
+
+def forward(
+    cell: Cell,
+    inputs: Any,
+    mask: Any,
+    side: dict | None,
+    nonempty: Any,
+    training: Any,
+    deferred: Any,
+    input_grads: bool,
+) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], Plan]:
+    """The stage's taped forward on one micro-batch, as its forward half.
+
+    Returns ``(outputs, out_mask, losses, before, kept, plan)``: ``kept`` is what the
+    backward half (``backward``, with ``plan``) reads, to keep until then.
+    """
+    fns = stage.functions(cell)
+    fn, args = fns.taped_call(inputs, mask, side, nonempty, training, deferred, input_grads)
+    concrete = fn.get_concrete_function(*args)
+    first, second, n = tf_compat.forward_backward(concrete)
+    flat_args = tf_compat.flat_arguments(concrete, args)
+    captured = list(concrete.captured_inputs)
+    graph_inputs = list(concrete.graph.inputs)
+    graph_outputs = list(first.graph.outputs)
+    with tf.device(cell.device):
+        produced = tf_compat.call_forward(first, flat_args + captured)
+    outputs, out_mask, losses, before, moments = concrete.function_type.pack_output(produced[:n])
+    fns.collect_moments(deferred, training, moments)
+    if out_mask is not None:
+        attach_mask(outputs, out_mask)
+
+    by_id = {id(t): j for j, t in enumerate(graph_outputs)}
+    kept: list[tf.Tensor] = []
+    kept_at: dict[int, int] = {}
+    feeds: list[tuple[str, Any]] = []
+    outer = flat_args + captured
+    for c in second.captured_inputs:
+        j = by_id.get(id(c))
+        if j is None:  # a value from outside the forward: the same for every call
+            feeds.append(("given", c))
+        elif produced[j].dtype in (tf.resource, tf.variant):
+            # A handle the forward was given (a variable's): no TensorArray holds one, and
+            # every micro-batch's call gets the same.
+            k = next((k for k, t in enumerate(graph_inputs) if t is graph_outputs[j]), None)
+            if k is None or k < len(flat_args):
+                raise RuntimeError(
+                    f"tf_gpipe: stage {cell.index}'s gradient reads a {produced[j].dtype.name} tensor "
+                    "its forward makes, which GPipe's loop of backwards cannot be given; use "
+                    "remat='always', schedule='1f1b', or micro_batch_loops=False."
+                )
+            feeds.append(("given", outer[k]))
+        else:
+            if j not in kept_at:
+                kept_at[j] = len(kept)
+                kept.append(produced[j])
+            feeds.append(("kept", kept_at[j]))
+
+    structure = concrete.structured_outputs
+    slots: dict[int, tuple[str, int]] = {}
+    position = 0
+    for part, values in (("outputs", structure[0]), ("mask", structure[1]), ("losses", structure[2])):
+        for i, t in enumerate(tf.nest.flatten(values)):
+            if t is not None:
+                if part != "mask":
+                    slots[position] = (part, i)
+                position += 1
+    flat_in = tf.nest.flatten(inputs)
+    positions, at = [], 0
+    for t in flat_in:
+        positions.append(at if t is not None else -1)
+        at += t is not None
+    # A variable's gradient is that of the handle the forward captured; a frozen one has none.
+    handles = {id(h): len(flat_args) + i for i, h in enumerate(captured)}
+    variable_positions = [
+        handles.get(id(keras_compat.backing_variable(v).handle), -1) for v in cell.trainable_variables
+    ]
+    plan = Plan(
+        backward=second,
+        feeds=feeds,
+        trainable_outputs=[j for j in range(n) if _differentiable(graph_outputs[j].dtype)],
+        output_specs=[tf.TensorSpec(t.shape, t.dtype) for t in graph_outputs[:n]],
+        output_slots=slots,
+        n_inputs=len(flat_args),
+        input_positions=positions,
+        variable_positions=variable_positions,
+    )
+    return outputs, out_mask, list(losses), list(before), kept, plan
+
+
+def backward(
+    cell: Cell,
+    plan: Plan,
+    kept: list[tf.Tensor],
+    output_grads: list[Any],
+    loss_grads: list[Any],
+    need_input_grads: bool,
+) -> tuple[list[Any], list[Any]]:
+    """The gradient half of a stage call made by ``forward``, given what it kept:
+    ``(input grads following tf.nest.flatten(inputs), None for non-float ones;
+    grads following cell.trainable_variables)``."""
+    given = {"outputs": list(output_grads), "losses": list(loss_grads)}
+    grads_in = []
+    for j in plan.trainable_outputs:
+        slot = plan.output_slots.get(j)
+        g = None if slot is None else given[slot[0]][slot[1]]
+        if g is None:  # a state the forward read or pooled: nothing differentiates it
+            spec = plan.output_specs[j]
+            if not spec.shape.is_fully_defined():
+                raise RuntimeError(
+                    f"tf_gpipe: stage {cell.index}'s forward has an output of unknown shape "
+                    "that nothing differentiates; use remat='always' or micro_batch_loops=False."
+                )
+            g = tf.zeros(spec.shape, spec.dtype)
+        grads_in.append(g)
+    feeds = [kept[x] if how == "kept" else x for how, x in plan.feeds]
+    with tf.device(cell.device):
+        grads = tf_compat.call_backward(plan.backward, grads_in, feeds)
+    in_grads = [None if p < 0 or not need_input_grads else grads[p] for p in plan.input_positions]
+    var_grads = [None if p < 0 else grads[p] for p in plan.variable_positions]
+    return in_grads, var_grads
