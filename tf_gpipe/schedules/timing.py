@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["Slot", "Timeline", "simulate_shared"]
+__all__ = ["Slot", "Timeline"]
 
 
 class Slot(NamedTuple):
