@@ -1,6 +1,7 @@
 """Every schedule trains exactly like the unsplit model."""
 
 import itertools
+import re
 
 import keras
 import numpy as np
@@ -250,3 +251,36 @@ def test_zb_h1_chains_each_action_after_the_previous_one_on_its_device(remat):
     for order in plan.orders:
         for a, b in itertools.pairwise(order):
             assert probe.ops[f"end {a!r}"] in _ancestors(probe.ops[f"start {b!r}"]), (a, b)
+
+
+@pytest.mark.parametrize("K,M,v", [(3, 3, 1), (2, 4, 2)])
+def test_call_builds_the_schedules_forwards_in_its_order_on_their_devices(K, M, v):
+    """``__call__`` under a tape builds each (stage, micro-batch) forward once, in the order of
+    the GPipe schedule over every cell (``executor.run_forward``), each on its cell's device:
+    re-materialized stages and the taped last one alike."""
+    kwargs = {"schedule": "interleaved", "virtual_stages": v} if v > 1 else {}
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=5), num_stages=K, num_micro_batches=M, remat="except_last", **kwargs
+    )
+    pm.build((None, 8))
+
+    def grads(x):
+        with tf.GradientTape() as tape:
+            y = pm(x, training=True)
+        return tape.gradient(y, pm.trainable_variables)
+
+    graph = tf.function(grads).get_concrete_function(tf.TensorSpec((9, 8))).graph
+    built = []  # (stage, micro-batch, device) of each forward's stage call, as the graph holds them
+    for op in graph.get_operations():
+        scope = re.search(r"(?:^|/)stage(\d+)_mb(\d+)/", op.name)
+        if scope and op.type in ("StatefulPartitionedCall", "PartitionedCall"):
+            s, m = int(scope[1]), int(scope[2])
+            if (s, m) not in [b[:2] for b in built]:
+                built.append((s, m, op.device))
+    plan = schedules.gpipe(K * v, M)
+    expected = [(a.stage, a.micro_batch) for a in plan.topological_order() if a.kind == "F"]
+    assert [b[:2] for b in built] == expected
+    devices = [c.device for c in pm.cells]
+    assert [tf.DeviceSpec.from_string(d).to_string() for _, _, d in built] == [
+        tf.DeviceSpec.from_string(devices[s]).to_string() for s, _ in expected
+    ]

@@ -1,13 +1,14 @@
-"""Turn a schedule (plain data) into the ops of one training step.
+"""Turn a schedule (plain data) into ops: one training step, or a forward pass alone.
 
-Where the loops over micro-batches apply (``tf_gpipe.micro_batch_loop``: M >= 2, every
-schedule, dense inputs, no timeline; on CPUs by default), they build the step, and its
-graph does not grow with M. Elsewhere (one micro-batch, a timeline, eager steps, GPipe
-with a taped recurrent stage, GPU stages unless asked) every (stage, micro-batch) forward
-and backward is built out, in an order consistent with the schedule, and each device's
-actions are chained with control dependencies so the device runs them in the schedule's
-order: that is what bounds the stashed activations of 1F1B to K per device, where plain
-dataflow would run every forward as early as it could.
+``run_schedule`` builds ``fit``'s step. Where the loops over micro-batches apply
+(``tf_gpipe.micro_batch_loop``: M >= 2, every schedule, dense inputs, no timeline; on CPUs
+by default), they build the step, and its graph does not grow with M. Elsewhere (one
+micro-batch, a timeline, eager steps, GPipe with a taped recurrent stage, GPU stages
+unless asked) every (stage, micro-batch) forward and backward is built out, in an order
+consistent with the schedule, and each device's actions are chained with control
+dependencies so the device runs them in the schedule's order: that is what bounds the
+stashed activations of 1F1B to K per device, where plain dataflow would run every forward
+as early as it could.
 
 A split schedule (zb-h1) runs each backward as two actions, each its own stage-function
 call: ``B`` differentiates w.r.t. the stage input only (what the previous stage waits
@@ -16,6 +17,10 @@ differentiates w.r.t. the weights only and adds them to the gradient sums. A
 re-materialized stage replays its forward in both (twice the recomputation of a full
 backward: simple and exact, not free); a stage on a tape keeps its record until W, which
 differentiates the taped call again, first-order (``remat.backward``).
+
+``run_forward`` builds the forward alone (``PipelineModel.__call__``, ``evaluate``,
+``predict``): the schedule's ``F`` actions in its order, each micro-batch's forward
+through every stage, and leaves the backward to any enclosing tape.
 """
 
 from __future__ import annotations
@@ -68,6 +73,86 @@ def _whole_batch_grads(schedule: Any, batch_loss: BatchLossFn | None, outputs, o
         )
     last = schedule.num_virtual_stages - 1
     return {(last, m): g for m, g in enumerate(batch_loss(outputs, out_masks))}
+
+
+def run_forward(
+    schedule: Any,
+    cells: Sequence[Cell],
+    split: Split,
+    masks: list[Any],
+    training: bool | None,
+    rematerializes: Callable[[int], bool],
+    sides: list[Any] | None = None,
+    deferred: Any = None,
+    loops: bool | str = False,
+) -> tuple[list[Any], list[Any], list[list[tf.Tensor]]]:
+    """Build the forward pass of ``schedule`` over ``cells``: its ``F`` actions, in its order.
+
+    What ``PipelineModel.__call__`` runs: any enclosing tape differentiates through it,
+    re-materializing where ``rematerializes`` says (training only). Not training, where
+    ``loops`` (``micro_batch_loops``) asks for it and it applies, one loop over
+    micro-batches (``micro_batch_loop.forward``) instead.
+
+    Args:
+        schedule: a ``tf_gpipe.schedules.Schedule`` with ``num_virtual_stages == len(cells)``;
+            its backward actions are not built (the tape runs the backward).
+        cells: the stages, in order.
+        split: the micro-batched inputs of stage 0; masks: their Keras masks.
+        training: Keras' ``training`` argument.
+        rematerializes: whether stage ``s`` is re-materialized when training.
+        sides: per micro-batch, the side inputs every stage may read (or None).
+        deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization moments,
+            applied here once every forward is built.
+        loops: ``micro_batch_loops``: True, False or "auto" (``micro_batch_loop.chosen``).
+
+    Returns:
+        ``(outputs per micro-batch, their Keras masks, the losses the layers added, per
+        micro-batch)``.
+    """
+    S, M = len(cells), len(split)
+    if schedule.num_virtual_stages != S or schedule.num_micro_batches != M:
+        raise ValueError(
+            f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
+            f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
+        )
+    if (
+        not training
+        and loops
+        and micro_batch_loop.chosen(loops, cells)
+        and micro_batch_loop.forward_applies(cells, split, masks, sides)
+    ):
+        return micro_batch_loop.forward(cells, split, masks, sides, training)
+    acts = list(split.chunks)
+    masks = list(masks)
+    losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
+    sides = list(sides) if sides is not None else [None] * M
+    for action in schedule.topological_order():
+        if action.kind != "F":
+            continue
+        s, m = action.stage, action.micro_batch
+        cell = cells[s]
+        with tf.name_scope(f"stage{s}_mb{m}"):
+            if training and rematerializes(s):
+                acts[m], masks[m], extra = remat.rematerialized(
+                    cell, acts[m], masks[m], training, split.nonempty(m), deferred, side=sides[m]
+                )
+            else:
+                # Training, an enclosing tape may differentiate the call: then the taped
+                # forward, whose gradient frees each activation once its layer's
+                # gradients are made (``tf_gpipe.gated``).
+                acts[m], masks[m], extra, _ = stage.functions(cell).forward(
+                    acts[m],
+                    masks[m],
+                    sides[m],
+                    split.nonempty(m),
+                    training,
+                    deferred,
+                    taped=bool(training),
+                )
+        losses[m].extend(extra)
+    if deferred is not None:
+        deferred.apply()
+    return acts, masks, losses
 
 
 def run_schedule(

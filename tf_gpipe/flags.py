@@ -23,14 +23,14 @@ before TensorFlow starts, with a message that names the flag.
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Mapping
-from typing import Any, TypeAlias
+from typing import Any
 
 from absl import flags
 
 from tf_gpipe.devices import configure_virtual_cpus
+from tf_gpipe.flag_parsers import BALANCE_METHODS, BalanceParser, BalanceSerializer, BytesParser, parse_bytes
 from tf_gpipe.model import PipelineModel
 from tf_gpipe.plan import plan as make_plan
 
@@ -45,8 +45,6 @@ __all__ = [
     "setup_devices",
 ]
 
-# Balancing by measured cost: PipelineModel profiles the layers, the flag passes the name on.
-BALANCE_METHODS = ("params", "time", "memory")
 _REMAT_MODES = ("always", "except_last", "never")  # tf_gpipe.pipeline.REMAT_MODES
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # tf_gpipe.schedules.SCHEDULES
 _LOOPS = {"auto": "auto", "true": True, "false": False}  # PipelineModel(micro_batch_loops=...)
@@ -66,54 +64,6 @@ FLAG_NAMES = (
     "micro_batch_loops",
     "virtual_cpus",
 )
-
-Balance: TypeAlias = list[int] | str | None
-
-
-class _BalanceParser(flags.ArgumentParser):
-    """``"3,3,2,2"`` -> ``[3, 3, 2, 2]``; a method name stays a string; ``""`` -> None."""
-
-    syntactic_help = "a comma-separated list of positive integers (layers per stage), or one of " + ", ".join(
-        repr(m) for m in BALANCE_METHODS
-    )
-
-    def parse(self, argument: Any) -> Balance:
-        if argument is None:
-            return None
-        if not isinstance(argument, str):  # a default given as a Python value
-            if isinstance(argument, (list, tuple)):
-                return self._check([a for a in argument])
-            raise ValueError(f"expected {self.syntactic_help}, got {argument!r}")
-        text = argument.strip()
-        if not text:
-            return None
-        if text in BALANCE_METHODS:
-            return text
-        try:
-            values = [int(part) for part in text.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"expected {self.syntactic_help}, got {argument!r}; "
-                "for example --balance=3,3,2,2 or --balance=params"
-            ) from None
-        return self._check(values)
-
-    def _check(self, values: list[Any]) -> list[int]:
-        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-            raise ValueError(f"every entry must be a positive integer (layers per stage), got {values!r}")
-        return list(values)
-
-    def flag_type(self) -> str:
-        return "balance"
-
-
-class _BalanceSerializer(flags.ArgumentSerializer):
-    def serialize(self, value: Balance) -> str:
-        if value is None:
-            return ""
-        if isinstance(value, str):
-            return value
-        return ",".join(str(v) for v in value)
 
 
 def _given(flag_values: flags.FlagValues, name: str) -> bool:
@@ -244,13 +194,13 @@ def define_pipeline_flags(
         flag_values=fv,
     )
     flags.DEFINE(
-        _BalanceParser(),
+        BalanceParser(),
         "balance",
         d["balance"],
         "Layers per stage, e.g. 3,3,2,2 (K*v entries with --virtual_stages), or a balancing "
         "method: " + ", ".join(BALANCE_METHODS) + ". Empty: an even split by layer count.",
         flag_values=fv,
-        serializer=_BalanceSerializer(),
+        serializer=BalanceSerializer(),
     )
     flags.DEFINE_boolean(
         "deferred_batch_norm",
@@ -397,32 +347,11 @@ def setup_devices(flag_values: flags.FlagValues = flags.FLAGS) -> list[str] | No
     return configure_virtual_cpus(n)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"`` -> 2147483648: bytes, or a number with a unit (B, KB, MB, GB, KiB, MiB, GiB)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is no size: give bytes, or a number with a unit such as 512MiB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-class _BytesParser(flags.ArgumentParser):
-    syntactic_help = "bytes, or a number with a unit (B, KB, MB, GB, KiB, MiB, GiB), e.g. 2GiB"
-
-    def parse(self, argument: Any) -> int | None:
-        if argument in (None, ""):
-            return None
-        return argument if isinstance(argument, int) else parse_bytes(argument)
-
-
 def define_plan_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Define ``--plan_memory_budget``: when set, a script calls ``tf_gpipe.plan`` with it and
     builds its model from the plan (``PipelineModel(layers, plan=p)``), printing ``p.report()``."""
     flags.DEFINE(
-        _BytesParser(),
+        BytesParser(),
         "plan_memory_budget",
         None,
         "Memory budget per device for tf_gpipe.plan (bytes, or e.g. 2GiB). When set, the planner "

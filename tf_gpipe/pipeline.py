@@ -7,11 +7,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import micro_batch_loop, remat, stage
+from tf_gpipe import executor, schedules
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
-from tf_gpipe.schedules import clock_cycles
 
 __all__: list[str] = []
 
@@ -58,45 +57,21 @@ class Pipeline:
         configured). Returns per-micro-batch outputs and masks, and per
         micro-batch the losses its layers added. Not training, in Keras' test and predict
         steps, a loop over micro-batches where ``loops`` (``micro_batch_loops``) asks for it.
+        The order is GPipe's schedule with every cell a stage of its own, whatever
+        schedule ``fit`` runs: nothing here runs a backward for another order to interleave.
         """
-        if (
-            not training
-            and loops
-            and micro_batch_loop.chosen(loops, self.cells)
-            and micro_batch_loop.forward_applies(self.cells, split, masks, sides)
-        ):
-            return micro_batch_loop.forward(self.cells, split, masks, sides, training)
-        M, S = len(split), len(self.cells)
-        acts = list(split.chunks)
-        masks = list(masks)
-        losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
-        deferred = self.deferred_stats(training)
-        sides = list(sides) if sides is not None else [None] * M
-        for tick in clock_cycles(S, M):
-            for m, s in tick:
-                cell = self.cells[s]
-                with tf.name_scope(f"stage{s}_mb{m}"):
-                    if training and self.rematerializes(s):
-                        acts[m], masks[m], extra = remat.rematerialized(
-                            cell, acts[m], masks[m], training, split.nonempty(m), deferred, side=sides[m]
-                        )
-                    else:
-                        # Training, an enclosing tape may differentiate the call: then the taped
-                        # forward, whose gradient frees each activation once its layer's
-                        # gradients are made (``tf_gpipe.gated``).
-                        acts[m], masks[m], extra, _ = stage.functions(cell).forward(
-                            acts[m],
-                            masks[m],
-                            sides[m],
-                            split.nonempty(m),
-                            training,
-                            deferred,
-                            taped=bool(training),
-                        )
-                losses[m].extend(extra)
-        if deferred is not None:
-            deferred.apply()
-        return acts, masks, losses
+        schedule = schedules.gpipe(len(self.cells), len(split))
+        return executor.run_forward(
+            schedule,
+            self.cells,
+            split,
+            masks,
+            training,
+            self.rematerializes,
+            sides,
+            self.deferred_stats(training),
+            loops,
+        )
 
 
 def check_settings(

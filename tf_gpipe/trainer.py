@@ -38,14 +38,22 @@ def train_step(model: Any, data: Any) -> dict:
     """One mini-batch: the schedule's forwards and backwards stage by stage,
     gradients summed per device, one optimizer update, metrics on the whole batch."""
     step = gradients(model, data)
+    return finish_step(model, data, step, model.trainable_weights)
+
+
+def finish_step(model: Any, data: Any, step: Gradients, variables: list[Any]) -> dict:
+    """The end of ``model``'s training step once ``step`` (its gradients of ``variables``,
+    loss-scaled, and loss, outputs and batch size, for the whole ``data``) is computed:
+    the loss tracked, one optimizer update, the metrics. A PipelineModel's step, and a
+    ReplicatedPipeline's with the replicas' mean gradients, end alike."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     keras_compat.loss_tracker(model).update_state(
         keras_compat.unscale_loss_for_distribution(step.loss), sample_weight=step.batch_size
     )
-    if model.trainable_weights:
-        update.apply(model.optimizer, step.grads, model.trainable_weights)
+    if variables:
+        update.apply(model.optimizer, step.grads, variables)
     else:
-        warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+        warnings.warn("The model does not have any trainable weights.", stacklevel=3)
     return model.compute_metrics(structure.to_tensors(x), y, step.y_pred, sample_weight=sample_weight)
 
 

@@ -128,18 +128,15 @@ class ReplicatedPipeline(keras.Model):
             steps.append(trainer.gradients(replica, shard, self.optimizer, loss_model=self))
         # The gradients stay loss-scaled: apply_gradients unscales the mean once.
         mean = self._all_reduce.mean([s.grads for s in steps])
+        whole = trainer.Gradients(
+            grads=[g for grads in mean for g in grads],
+            loss=tf.add_n([s.loss for s in steps]) / R,
+            y_pred=tf.nest.map_structure(lambda *t: tf.concat(t, 0), *[s.y_pred for s in steps]),
+            batch_size=tf.shape(x)[0],
+        )
         # One apply for every replica: one step count, and each replica's update on its devices.
-        update.apply(
-            self.optimizer,
-            [g for grads in mean for g in grads],
-            [v for replica in self.replicas for v in replica.trainable_variables],
-        )
-        loss = tf.add_n([s.loss for s in steps]) / R
-        keras_compat.loss_tracker(self).update_state(
-            keras_compat.unscale_loss_for_distribution(loss), sample_weight=tf.shape(x)[0]
-        )
-        y_pred = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *[s.y_pred for s in steps])
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        variables = [v for replica in self.replicas for v in replica.trainable_variables]
+        return trainer.finish_step(self, data, whole, variables)
 
 
 # Collective keys name a group of devices (group_key) and one all-reduce in it

@@ -1,10 +1,12 @@
 """Pipeline schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1) as plain data, free of TensorFlow.
 
 ``tf_gpipe.schedules.schedule`` holds the data type, :class:`Schedule`, with its
-checks and timing analysis; ``tf_gpipe.schedules.builders`` builds the named
-schedules' device orders (``get``). Nothing here imports TensorFlow or Keras, so
-schedules can be built, simulated and drawn without them (tests/test_schedules.py
-imports this package with TensorFlow made unimportable).
+checks and timing analysis (``tf_gpipe.schedules.timing``: the simulated
+:class:`Timeline`, and devices sharing one host's processors);
+``tf_gpipe.schedules.builders`` builds the named schedules' device orders (``get``).
+Nothing here imports TensorFlow or Keras, so schedules can be built, simulated and
+drawn without them (tests/test_schedules.py imports this package with TensorFlow made
+unimportable).
 """
 
 from tf_gpipe.schedules.builders import (
@@ -17,7 +19,8 @@ from tf_gpipe.schedules.builders import (
     one_f_one_b,
     zb_h1,
 )
-from tf_gpipe.schedules.schedule import Action, Schedule, Slot, Timeline
+from tf_gpipe.schedules.schedule import Action, Schedule
+from tf_gpipe.schedules.timing import Slot, Timeline
 
 __all__ = [
     "SCHEDULES",

@@ -1,7 +1,7 @@
 """The named schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1) as device orders, and ``get``.
 
-Also fill-drain in closed form: ``clock_cycles`` (the forward ticks ``__call__``
-runs) and ``bubble_fraction``. Free of TensorFlow.
+Also fill-drain in closed form: ``clock_cycles`` (its forward ticks, to picture it) and
+``bubble_fraction``. Free of TensorFlow.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
-__all__ = ["Action", "Schedule", "Slot", "Timeline"]
+from tf_gpipe.schedules.timing import Slot, Timeline, simulate_shared
+
+__all__ = ["Action", "Schedule"]
 
 Cost = float | Sequence[float]
 
@@ -38,26 +39,6 @@ class Action:
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.micro_batch}@s{self.stage}"
-
-
-class Slot(NamedTuple):
-    """Where and when one action ran in a simulated timeline."""
-
-    device: int
-    start: float
-    end: float
-
-
-@dataclass
-class Timeline:
-    """Result of :meth:`Schedule.simulate`: each action's slot and the total time."""
-
-    slots: dict[Action, Slot]
-    makespan: float
-
-    def busy(self, device: int) -> float:
-        """Total time ``device`` spends computing."""
-        return sum(s.end - s.start for s in self.slots.values() if s.device == device)
 
 
 @dataclass
@@ -318,7 +299,7 @@ class Schedule:
                         f"({self.num_virtual_stages}), each share in [0, 1]"
                     )
             if any(f for per_stage in segments.values() for seg in per_stage for _, f in seg):
-                return self._simulate_shared(cost, segments, comm_cost)
+                return simulate_shared(self, cost, segments, comm_cost)
         free = [0.0] * self.num_devices
         slots: dict[Action, Slot] = {}
         # Any topological order gives the same times: each start is a max over
@@ -332,63 +313,6 @@ class Schedule:
             end = start + cost[a.kind][a.stage]
             slots[a] = Slot(d, start, end)
             free[d] = end
-        return Timeline(slots, max(s.end for s in slots.values()))
-
-    def _simulate_shared(
-        self,
-        cost: dict[str, list[float]],
-        segments: dict[str, list[list[tuple[float, float]]]],
-        comm_cost: float,
-    ) -> Timeline:
-        """:meth:`simulate` with the devices sharing one host's processors (``host_share``)."""
-        self._validated_order()  # every action exists once, and the orders do not deadlock
-        position = [0] * self.num_devices
-        running: dict[int, list] = {}  # device -> [action, start, [[seconds alone left, share], ...]]
-        slots: dict[Action, Slot] = {}
-        now = 0.0
-
-        def ready_at(a: Action, d: int) -> float | None:
-            times = []
-            for dep in self.dependencies(a):
-                if dep not in slots:
-                    return None
-                times.append(slots[dep].end + (comm_cost if slots[dep].device != d else 0.0))
-            return max(times, default=0.0)
-
-        while True:
-            waits = []
-            for d in range(self.num_devices):
-                if d in running or position[d] == len(self.orders[d]):
-                    continue
-                a = self.orders[d][position[d]]
-                at = ready_at(a, d)
-                if at is not None and at <= now:
-                    seconds = float(cost[a.kind][a.stage])
-                    parts = segments[a.kind][a.stage]
-                    total = sum(t for t, _ in parts) or 1.0
-                    left = [[seconds * t / total, f] for t, f in parts if t > 0] or [[seconds, 0.0]]
-                    running[d] = [a, now, left]
-                    position[d] += 1
-                elif at is not None:
-                    waits.append(at)
-            if not running:
-                if not waits:
-                    break
-                now = min(waits)
-                continue
-            demand = max(1.0, sum(r[2][0][1] for r in running.values()))
-            rate = {d: 1.0 / (1.0 - r[2][0][1] + r[2][0][1] * demand) for d, r in running.items()}
-            step = min(r[2][0][0] / rate[d] for d, r in running.items())
-            step = min([step] + [w - now for w in waits])
-            now += step
-            for d in list(running):
-                r = running[d]
-                r[2][0][0] -= rate[d] * step
-                if r[2][0][0] <= 1e-12 * max(1.0, now):
-                    r[2].pop(0)
-                if not r[2]:
-                    slots[r[0]] = Slot(d, r[1], now)
-                    del running[d]
         return Timeline(slots, max(s.end for s in slots.values()))
 
     def bubble_fraction(
