@@ -17,7 +17,7 @@ from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.jit import choose_jit
 from tf_gpipe.micro_batch_loop import untaped
-from tf_gpipe.partition import check_tied_layers, split_by_balance, unpack_layers
+from tf_gpipe.partition import cut_into_cells, unpack_layers
 from tf_gpipe.pipeline import Pipeline, check_settings
 
 __all__ = ["PipelineModel"]
@@ -156,21 +156,8 @@ class PipelineModel(keras.Model):
         check_settings(num_micro_batches, remat, micro_batch_loops, schedule, virtual_stages, num_stages)
         if isinstance(balance, str):  # "params" | "time" | "memory": measured on the input spec
             balance = balance_by_cost(balance, layer_list, spec, num_stages, virtual_stages)
-        if balance is not None:  # balance has one entry per cell: K * virtual_stages
-            groups = split_by_balance(
-                layer_list, None if num_stages is None else num_stages * virtual_stages, balance
-            )
-            if len(groups) % virtual_stages:
-                raise ValueError(
-                    f"tf_gpipe: balance has {len(groups)} entries, not a multiple of "
-                    f"virtual_stages={virtual_stages}; give num_stages * virtual_stages entries."
-                )
-        else:
-            if num_stages is None:
-                num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
-            groups = split_by_balance(layer_list, num_stages * virtual_stages, None)
+        groups = cut_into_cells(layer_list, num_stages, balance, virtual_stages, devices)
         num_stages = len(groups) // virtual_stages
-        check_tied_layers(groups)
         # Validates the name, virtual_stages and M against the schedule before anything is built.
         schedules.get(schedule, num_stages, num_micro_batches, virtual_stages)
         self._devices_arg = (

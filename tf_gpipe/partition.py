@@ -154,3 +154,31 @@ def unpack_layers(layers: Any):
                 hint = " It is a tf.keras (Keras 2) layer; build it with `import keras` (Keras 3)."
             raise TypeError(f"tf_gpipe: layers[{i}] is {type(layer).__name__}, not a Keras layer.{hint}")
     return layers, spec
+
+
+def cut_into_cells(
+    layers: list[Any],
+    num_stages: int | None,
+    balance: Sequence[int] | None,
+    virtual_stages: int,
+    devices: Any,
+) -> list[list[Any]]:
+    """``PipelineModel``'s layers in ``num_stages * virtual_stages`` consecutive groups, one
+    per cell: as ``balance`` gives (one entry per cell), else an even split into
+    ``num_stages`` (default: one per device given, else 1) times ``virtual_stages``.
+    Refuses a layer shared between two groups."""
+    if balance is not None:
+        groups = split_by_balance(
+            layers, None if num_stages is None else num_stages * virtual_stages, balance
+        )
+        if len(groups) % virtual_stages:
+            raise ValueError(
+                f"tf_gpipe: balance has {len(groups)} entries, not a multiple of "
+                f"virtual_stages={virtual_stages}; give num_stages * virtual_stages entries."
+            )
+    else:
+        if num_stages is None:
+            num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
+        groups = split_by_balance(layers, num_stages * virtual_stages, None)
+    check_tied_layers(groups)
+    return groups
