@@ -326,3 +326,36 @@ def test_a_replay_waits_for_its_gradients_whatever_its_inputs():
         assert readers, f.signature.name
         for n in readers:
             assert n.op == "Identity" and {"^after", "^output_grads"} <= set(n.input), (n.name, n.input)
+
+
+def test_layout_fills_and_empties_arrays_as_stacks_where_shapes_agree():
+    """``Layout.filled`` and ``Layout.entries``: one stack per value whose entries share a
+    fully defined shape (no op per micro-batch), one write or read per entry elsewhere,
+    the same entries either way."""
+    from tf_gpipe import loop_state
+
+    values = [(tf.fill([2, 3], float(m)), tf.range(m + 1), tf.constant(m)) for m in range(4)]
+
+    @tf.function(autograph=False)
+    def round_trip():
+        layout = loop_state.Layout(values[0], relax=True)
+        arrays = layout.filled([tf.nest.map_structure(tf.identity, v) for v in values])
+        return [layout.expand(row) for row in layout.entries(arrays, len(values))]
+
+    @tf.function(autograph=False)
+    def static_round_trip():  # every shape fully defined: one stack out per value too
+        same = [(a, c) for a, _, c in values]
+        layout = loop_state.Layout(same[0])
+        arrays = layout.filled([tf.nest.map_structure(tf.identity, v) for v in same])
+        return [layout.expand(row) for row in layout.entries(arrays, len(same))]
+
+    for v, g in zip(values, round_trip()):
+        assert_all_close(list(v), list(g))
+    for (a, _, c), g in zip(values, static_round_trip()):
+        assert_all_close([a, c], list(g))
+    ops = [op.type for op in round_trip.get_concrete_function().graph.get_operations()]
+    assert ops.count("TensorListSetItem") == 4  # the ragged value: one write per entry
+    assert ops.count("TensorListFromTensor") == 2  # the others: one stack each
+    assert ops.count("TensorListGetItem") == 12  # relaxed shapes: one read per entry
+    ops = [op.type for op in static_round_trip.get_concrete_function().graph.get_operations()]
+    assert (ops.count("TensorListStack"), ops.count("TensorListGetItem")) == (2, 0)

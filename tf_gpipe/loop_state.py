@@ -85,6 +85,37 @@ class Layout:
             for s in self.specs
         ]
 
+    def filled(self, values: Sequence[Any]) -> list[tf.TensorArray]:
+        """Arrays holding ``values`` (structures of this layout), one entry each, in order.
+
+        A value whose entries share one fully defined shape goes in as one stack, not one
+        write per entry: M writes, and their indices, are ops the first step optimizes."""
+        arrays = self.arrays(len(values))
+        columns = list(zip(*(self.compress(v) for v in values)))
+        filled = []
+        for a, column in zip(arrays, columns):
+            if _one_shape(column):
+                a = a.unstack(tf.stack(column))
+            else:
+                for m, t in enumerate(column):
+                    a = a.write(m, t)
+            filled.append(a)
+        return filled
+
+    def entries(self, arrays: list[tf.TensorArray], size: int) -> list[list[tf.Tensor]]:
+        """The ``size`` entries of ``arrays`` (each written once, none freed), in order: per
+        entry, one tensor per array. One stack per array where this layout's shapes are
+        fully defined, not ``size`` reads (as ``filled``)."""
+        if not self.specs:
+            return [[] for _ in range(size)]
+        if all(s.shape.is_fully_defined() for s in self.specs):
+            columns = [
+                tf.unstack(tf.ensure_shape(a.stack(), [size, *s.shape]), num=size)
+                for a, s in zip(arrays, self.specs)
+            ]
+            return [list(row) for row in zip(*columns)]
+        return [self.read(arrays, m) for m in range(size)]
+
     def read(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
         return [tf.ensure_shape(a.read(m), s.shape) for a, s in zip(arrays, self.specs)]
 
@@ -93,6 +124,11 @@ class Layout:
         return [
             a.write(m, _zeros(relaxed_spec(s))) if s.shape.rank else a for a, s in zip(arrays, self.specs)
         ]
+
+
+def _one_shape(tensors: Sequence[tf.Tensor]) -> bool:
+    shapes = {tuple(t.shape.as_list()) if t.shape.is_fully_defined() else None for t in tensors}
+    return len(shapes) == 1 and None not in shapes
 
 
 def write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) -> list[tf.TensorArray]:
@@ -245,7 +281,7 @@ class Emitted:
         """The M values emitted under ``k``, in micro-batch order."""
         layout = self.layouts[k]
         with tf.device(self.device[k]):
-            return [layout.expand(layout.read(state["emitted", k], m)) for m in range(self.M)]
+            return [layout.expand(row) for row in layout.entries(state["emitted", k], self.M)]
 
     def total(self, state: dict, k: Any) -> Any:
         return self.layouts[k].expand(state["emitted", k])

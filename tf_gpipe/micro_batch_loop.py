@@ -219,10 +219,7 @@ class _Step:
     def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list]:
         layout = loop_state.Layout(values[0], relax)
         with tf.device(device):
-            arrays = layout.arrays(self.M)
-            for m, value in enumerate(values):
-                arrays = loop_state.write(arrays, m, layout.compress(value))
-        return layout, arrays
+            return layout, layout.filled(values)
 
     def _nonempty(self, m: Any, s: int) -> Any:
         return None if self.nonempty_all is None else self.nonempty_all[m.on(self.cells[s].device)]
