@@ -5,10 +5,10 @@ loop variables are flat lists of tensors, so every structure a stage passes on (
 outputs, masks, side inputs, losses, the state its forward read) travels as a ``Layout``:
 flattened without its Nones, with the specs its loop variables need, and unflattened in
 the next iteration. What a stage's backward needs of its forward waits in TensorArrays,
-one entry per micro-batch, freed once read::
+one per dtype, an entry per tensor and micro-batch, freed once read::
 
-    forward iteration m:   stage s ─► Layout.compress ─► write(arrays, m, ...)
-    backward iteration m:  Layout.read(arrays, m) ─► stage s ─► Layout.free(arrays, m)
+    forward iteration m:   stage s ─► Layout.compress ─► Layout.hold(arrays, m, ...)
+    backward iteration m:  Layout.held(arrays, m) ─► stage s ─► Layout.release(arrays, m)
 
 ``emitting`` runs a loop whose iteration returns what leaves it (``Emitted``): its
 structure is read from one more trace of the body; ``Tokens`` carries each action's
@@ -116,14 +116,58 @@ class Layout:
             return [list(row) for row in zip(*columns)]
         return [self.read(arrays, m) for m in range(size)]
 
+    # ------------------------------------------- held for a later loop: one array per dtype
+    # What GPipe's loop of forwards keeps for its loop of backwards can be a hundred tensors
+    # a stage (a taped stage's intermediates, ``tf_gpipe.stash``). An array per tensor is a
+    # loop variable per tensor, and a loop variable costs a handful of ops per iteration in
+    # both loops; one array per dtype, of ``M x`` its tensors, costs one.
+    def _groups(self) -> list[list[int]]:
+        by_dtype: dict[tf.DType, list[int]] = {}
+        for i, s in enumerate(self.specs):
+            by_dtype.setdefault(s.dtype, []).append(i)
+        return list(by_dtype.values())
+
+    def held_arrays(self, size: int) -> list[tf.TensorArray]:
+        """Empty arrays for ``size`` values of this layout (``hold``), one per dtype."""
+        return [
+            tf.TensorArray(self.specs[g[0]].dtype, size=size * len(g), infer_shape=False)
+            for g in self._groups()
+        ]
+
+    def hold(self, arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) -> list[tf.TensorArray]:
+        """``arrays`` with the compressed value ``values`` held as entry ``m``."""
+        held = []
+        for a, g in zip(arrays, self._groups()):
+            first = m * len(g)
+            for j, i in enumerate(g):
+                a = a.write(first + j, values[i])
+            held.append(a)
+        return held
+
+    def held(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
+        """Entry ``m`` of ``hold``'s arrays, as the compressed value it held."""
+        values: list[Any] = [None] * len(self.specs)
+        for a, g in zip(arrays, self._groups()):
+            first = m * len(g)
+            for j, i in enumerate(g):
+                values[i] = a.read(first + j)
+                values[i].set_shape(self.specs[i].shape)  # what ``hold`` wrote there
+        return values
+
+    def release(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.TensorArray]:
+        """``hold``'s arrays with entry ``m`` freed: an empty tensor where it held rows."""
+        released = []
+        for a, g in zip(arrays, self._groups()):
+            first = m * len(g)
+            empty = tf.zeros([0], self.specs[g[0]].dtype)
+            for j, i in enumerate(g):
+                if self.specs[i].shape.rank:
+                    a = a.write(first + j, empty)
+            released.append(a)
+        return released
+
     def read(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
         return [tf.ensure_shape(a.read(m), s.shape) for a, s in zip(arrays, self.specs)]
-
-    def free(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.TensorArray]:
-        """``arrays`` with entry ``m`` replaced by rows of none (where it has rows)."""
-        return [
-            a.write(m, _zeros(relaxed_spec(s))) if s.shape.rank else a for a, s in zip(arrays, self.specs)
-        ]
 
 
 def _one_shape(tensors: Sequence[tf.Tensor]) -> bool:
@@ -249,7 +293,8 @@ def token(*structures: Any) -> tf.Tensor:
 
 class Emitted:
     """What a loop's iterations emit, per key: ``each`` value into a TensorArray (one entry
-    per micro-batch), or a running ``sum``, or BatchNormalization moments ``pool``ed.
+    per micro-batch), or ``held`` for a later loop (``Layout.hold``), or a running ``sum``,
+    or BatchNormalization moments ``pool``ed.
 
     ``emit`` takes ``{key: (how, device, structure)}``."""
 
@@ -263,14 +308,20 @@ class Emitted:
         state = {}
         for k, layout in self.layouts.items():
             with tf.device(self.device[k]):
-                state["emitted", k] = layout.arrays(self.M) if self.how[k] == "each" else layout.zeros()
+                how = self.how[k]
+                if how == "held":
+                    state["emitted", k] = layout.held_arrays(self.M)
+                else:
+                    state["emitted", k] = layout.arrays(self.M) if how == "each" else layout.zeros()
         return state
 
     def add(self, state: dict, m: Counters, got: dict) -> None:
         for k, (how, device, value) in got.items():
             layout, key = self.layouts[k], ("emitted", k)
             with tf.device(device):
-                if how == "each":
+                if how == "held":
+                    state[key] = layout.hold(state[key], m.on(device), layout.compress(value))
+                elif how == "each":
                     state[key] = write(state[key], m.on(device), layout.compress(value))
                 elif how == "sum":
                     state[key] = [a + b for a, b in zip(state[key], layout.compress(value))]

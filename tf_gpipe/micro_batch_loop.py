@@ -338,9 +338,9 @@ class _Step:
                 rec = self.forward(s, x, mask, side, m, state, now, emit)
                 if rec.plan is not None:  # what the backward half of a taped stage reads
                     self.plans[s] = rec.plan
-                    emit["stash", s] = ("each", cells[s].device, list(rec.kept or []))
+                    emit["stash", s] = ("held", cells[s].device, list(rec.kept or []))
                 elif batch_loss is not None:  # what the backward loop replays
-                    emit["stash", s] = ("each", cells[s].device, (rec.inputs, rec.mask, rec.side, rec.before))
+                    emit["stash", s] = ("held", cells[s].device, (rec.inputs, rec.mask, rec.side, rec.before))
                 x, mask = rec.outputs, rec.out_mask
             emit["out",] = ("each", cells[-1].device, (x, mask))
             self.tokens.advance(state, now)
@@ -364,9 +364,9 @@ class _Step:
                 with tf.device(cells[s].device):
                     held = state["stash", s]
                     at = m.on(cells[s].device)
-                    kept = stash[s].expand(stash[s].read(held, at))
+                    kept = stash[s].expand(stash[s].held(held, at))
                     # Dropped after this backward, as the built-out step drops each record.
-                    state["stash", s] = stash[s].free(held, at)
+                    state["stash", s] = stash[s].release(held, at)
                 nonempty = self._nonempty(m, s)
                 if s in self.plans:
                     plan = self.plans[s]
