@@ -13,7 +13,7 @@ from test_side_inputs import _inputs as side_data
 from test_side_inputs import _layers as side_layers
 
 import tf_gpipe
-from tf_gpipe import micro_batch_loop
+from tf_gpipe import loop_state, micro_batch_loop
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CALLS = ("StatefulPartitionedCall", "PartitionedCall")
@@ -332,8 +332,6 @@ def test_layout_fills_and_empties_arrays_as_stacks_where_shapes_agree():
     """``Layout.filled`` and ``Layout.entries``: one stack per value whose entries share a
     fully defined shape (no op per micro-batch), one write or read per entry elsewhere,
     the same entries either way."""
-    from tf_gpipe import loop_state
-
     values = [(tf.fill([2, 3], float(m)), tf.range(m + 1), tf.constant(m)) for m in range(4)]
 
     @tf.function(autograph=False)
@@ -359,3 +357,34 @@ def test_layout_fills_and_empties_arrays_as_stacks_where_shapes_agree():
     assert ops.count("TensorListGetItem") == 12  # relaxed shapes: one read per entry
     ops = [op.type for op in static_round_trip.get_concrete_function().graph.get_operations()]
     assert (ops.count("TensorListStack"), ops.count("TensorListGetItem")) == (2, 0)
+
+
+def test_layout_holds_values_for_a_later_loop_in_one_array_per_dtype():
+    """``Layout.hold``: M values of several tensors (two dtypes, uneven shapes, a scalar) in
+    one TensorArray per dtype; ``held`` gives each back with its static shape, ``release``
+    empties what it read (a scalar stays: it has no rows to free)."""
+    M = 3
+    values = [
+        [tf.fill([m + 1, 2], float(m)), tf.range(m + 2), tf.fill([2], -float(m)), tf.constant(7 * m)]
+        for m in range(M)
+    ]
+    layout = loop_state.Layout(values[0], relax=True)
+
+    @tf.function(autograph=False)
+    def round_trip():
+        arrays = layout.held_arrays(M)
+        for m in range(M):
+            arrays = layout.hold(arrays, tf.constant(m), values[m])
+        back = [layout.held(arrays, tf.constant(m)) for m in range(M)]
+        shapes.extend(t.shape.as_list() for t in back[0])
+        released = layout.release(arrays, tf.constant(1))
+        sizes = [tf.size(t) for t in layout.held(released, tf.constant(1))]
+        return len(arrays), back, sizes
+
+    shapes: list = []
+    n_arrays, back, sizes = round_trip()
+    assert n_arrays == 2  # float32 and int32
+    for want, got in zip(values, back):
+        assert_all_close(want, got)
+    assert [int(s) for s in sizes] == [0, 0, 0, 1]
+    assert shapes == [[None, 2], [None], [None], []]  # the layout's specs, relaxed
