@@ -224,7 +224,7 @@ _FIT_SCRIPT = textwrap.dedent(
     result = {}
     for tag, jit, devices, remat, micro_batch_loops in [
         ("auto", "auto", ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"], "always", False),
-        ("jit", True, ["/device:CPU:2", "/device:CPU:0", "/device:CPU:3"], "except_last", "auto"),
+        ("jit", True, ["/device:CPU:2", "/device:CPU:0", "/device:CPU:3"], "except_last", False),
         ("loop", "auto", ["/device:CPU:1", "/device:CPU:3", "/device:CPU:0"], "always", "auto"),
     ]:
         sys.stderr.write("@@BEGIN " + tag + "@@\\n"); sys.stderr.flush()

@@ -328,35 +328,35 @@ def test_a_replay_waits_for_its_gradients_whatever_its_inputs():
             assert n.op == "Identity" and {"^after", "^output_grads"} <= set(n.input), (n.name, n.input)
 
 
-def test_layout_fills_and_empties_arrays_as_stacks_where_shapes_agree():
-    """``Layout.filled`` and ``Layout.entries``: one stack per value whose entries share a
-    fully defined shape (no op per micro-batch), one write or read per entry elsewhere,
-    the same entries either way."""
+def test_layout_fills_arrays_entry_by_entry_and_empties_them_as_stacks_where_shapes_agree():
+    """``Layout.filled`` writes each entry (a stack would hold a second copy of them all);
+    ``Layout.entries`` reads one stack per value whose entries share a fully defined shape
+    (no op per micro-batch), one entry at a time elsewhere or with ``stack=False``: the
+    same entries either way."""
     values = [(tf.fill([2, 3], float(m)), tf.range(m + 1), tf.constant(m)) for m in range(4)]
+    same = [(a, c) for a, _, c in values]
 
-    @tf.function(autograph=False)
-    def round_trip():
-        layout = loop_state.Layout(values[0], relax=True)
+    def round_trip(values, relax, stack):
+        layout = loop_state.Layout(values[0], relax=relax)
         arrays = layout.filled([tf.nest.map_structure(tf.identity, v) for v in values])
-        return [layout.expand(row) for row in layout.entries(arrays, len(values))]
+        return [layout.expand(row) for row in layout.entries(arrays, len(values), stack)]
 
-    @tf.function(autograph=False)
-    def static_round_trip():  # every shape fully defined: one stack out per value too
-        same = [(a, c) for a, _, c in values]
-        layout = loop_state.Layout(same[0])
-        arrays = layout.filled([tf.nest.map_structure(tf.identity, v) for v in same])
-        return [layout.expand(row) for row in layout.entries(arrays, len(same))]
-
-    for v, g in zip(values, round_trip()):
+    ragged = tf.function(lambda: round_trip(values, True, True), autograph=False)
+    static = tf.function(lambda: round_trip(same, False, True), autograph=False)
+    unstacked = tf.function(lambda: round_trip(same, False, False), autograph=False)
+    for v, g in zip(values, ragged()):
         assert_all_close(list(v), list(g))
-    for (a, _, c), g in zip(values, static_round_trip()):
-        assert_all_close([a, c], list(g))
-    ops = [op.type for op in round_trip.get_concrete_function().graph.get_operations()]
-    assert ops.count("TensorListSetItem") == 4  # the ragged value: one write per entry
-    assert ops.count("TensorListFromTensor") == 2  # the others: one stack each
-    assert ops.count("TensorListGetItem") == 12  # relaxed shapes: one read per entry
-    ops = [op.type for op in static_round_trip.get_concrete_function().graph.get_operations()]
-    assert (ops.count("TensorListStack"), ops.count("TensorListGetItem")) == (2, 0)
+    for fn in (static, unstacked):
+        for (a, _, c), g in zip(values, fn()):
+            assert_all_close([a, c], list(g))
+
+    def ops(fn):
+        return [op.type for op in fn.get_concrete_function().graph.get_operations()]
+
+    assert ops(ragged).count("TensorListSetItem") == 12  # one write per entry
+    assert ops(ragged).count("TensorListGetItem") == 12  # relaxed shapes: one read per entry
+    assert (ops(static).count("TensorListStack"), ops(static).count("TensorListGetItem")) == (2, 0)
+    assert (ops(unstacked).count("TensorListStack"), ops(unstacked).count("TensorListGetItem")) == (0, 8)
 
 
 def test_layout_holds_values_for_a_later_loop_in_one_array_per_dtype():

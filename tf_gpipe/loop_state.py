@@ -88,27 +88,24 @@ class Layout:
     def filled(self, values: Sequence[Any]) -> list[tf.TensorArray]:
         """Arrays holding ``values`` (structures of this layout), one entry each, in order.
 
-        A value whose entries share one fully defined shape goes in as one stack, not one
-        write per entry: M writes, and their indices, are ops the first step optimizes."""
+        One write per entry, not one stack: a stack is one more copy of the M entries, and
+        its entries (slices of it) keep all of it alive while any is: the inputs of the
+        step, or GPipe's output gradients, would be held twice at its peak (2 of the 22
+        activations a K=2, M=2 step of test_guarantees peaked at, taped)."""
         arrays = self.arrays(len(values))
-        columns = list(zip(*(self.compress(v) for v in values)))
-        filled = []
-        for a, column in zip(arrays, columns):
-            if _one_shape(column):
-                a = a.unstack(tf.stack(column))
-            else:
-                for m, t in enumerate(column):
-                    a = a.write(m, t)
-            filled.append(a)
-        return filled
+        for m, value in enumerate(values):
+            arrays = write(arrays, m, self.compress(value))
+        return arrays
 
-    def entries(self, arrays: list[tf.TensorArray], size: int) -> list[list[tf.Tensor]]:
+    def entries(self, arrays: list[tf.TensorArray], size: int, stack: bool = True) -> list[list[tf.Tensor]]:
         """The ``size`` entries of ``arrays`` (each written once, none freed), in order: per
         entry, one tensor per array. One stack per array where this layout's shapes are
-        fully defined, not ``size`` reads (as ``filled``)."""
+        fully defined, not ``size`` reads: M reads, and their indices, are ops the first
+        step optimizes. ``stack=False`` reads each, where a stack (one more copy) would
+        raise the step's peak memory."""
         if not self.specs:
             return [[] for _ in range(size)]
-        if all(s.shape.is_fully_defined() for s in self.specs):
+        if stack and all(s.shape.is_fully_defined() for s in self.specs):
             columns = [
                 tf.unstack(tf.ensure_shape(a.stack(), [size, *s.shape]), num=size)
                 for a, s in zip(arrays, self.specs)
@@ -168,11 +165,6 @@ class Layout:
 
     def read(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
         return [tf.ensure_shape(a.read(m), s.shape) for a, s in zip(arrays, self.specs)]
-
-
-def _one_shape(tensors: Sequence[tf.Tensor]) -> bool:
-    shapes = {tuple(t.shape.as_list()) if t.shape.is_fully_defined() else None for t in tensors}
-    return len(shapes) == 1 and None not in shapes
 
 
 def write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) -> list[tf.TensorArray]:
@@ -328,11 +320,11 @@ class Emitted:
                 elif layout.positions:  # pooled in micro-batch order, as the built-out step pools
                     state[key] = batchnorm.merge(state[key], layout.compress(value))
 
-    def each(self, state: dict, k: Any) -> list[Any]:
-        """The M values emitted under ``k``, in micro-batch order."""
+    def each(self, state: dict, k: Any, stack: bool = True) -> list[Any]:
+        """The M values emitted under ``k``, in micro-batch order (``stack`` as ``Layout.entries``)."""
         layout = self.layouts[k]
         with tf.device(self.device[k]):
-            return [layout.expand(row) for row in layout.entries(state["emitted", k], self.M)]
+            return [layout.expand(row) for row in layout.entries(state["emitted", k], self.M, stack)]
 
     def total(self, state: dict, k: Any) -> Any:
         return self.layouts[k].expand(state["emitted", k])

@@ -350,7 +350,9 @@ class _Step:
         first = loop_state.emitting(M, devices, self.tokens.initial("F"), forwards)
         if batch_loss is None:  # forwards only
             return self._results([first], [], sums=False)
-        outputs, out_masks = zip(*first[0].each(first[1], ("out",)))
+        # Between GPipe's two loops every stage holds every micro-batch's stash, the step's
+        # peak: the outputs are read one entry at a time there, not as a stack (``entries``).
+        outputs, out_masks = zip(*first[0].each(first[1], ("out",), stack=False))
         with tf.device(cells[-1].device), tf.name_scope("loss"):
             grads = batch_loss(list(outputs), list(out_masks))
         given, given_arrays = self._stacked(grads, cells[-1].device, self.relax)
