@@ -13,7 +13,7 @@ from helpers import assert_all_close, mlp_layers, partition_graphs
 from test_loop import _token_data, _token_layers
 
 import tf_gpipe
-from tf_gpipe import loop_state, micro_batch_loop, schedules
+from tf_gpipe import loop_state, micro_batch_loop, schedules, stash
 from tf_gpipe.schedules.loop_waits import Wait, waits
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -233,3 +233,26 @@ def test_gpipe_with_taped_stages_builds_a_step_that_does_not_grow_with_m(remat):
     assert sizes[2] == sizes[8] > 0, sizes
     built = {M: _stage_call_sites(M, remat=remat, micro_batch_loops=False) for M in (2, 8)}
     assert built[8] > built[2], built
+
+
+def test_gpipe_taped_stages_with_xla_loop_and_match_built_out(cpu_devices, monkeypatch):
+    """With ``jit_compile=True`` each taped stage's forward is an XLA function, split into
+    its halves as any other (uneven micro-batches: 29 examples, batch 13)."""
+    calls = []
+    original = stash.forward
+    monkeypatch.setattr(stash, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    x = np.random.RandomState(0).rand(29, 8).astype("float32")
+    y = np.arange(29) % 3
+    results = []
+    for loops in (True, False):
+        pm = tf_gpipe.PipelineModel(
+            mlp_layers(depth=4), num_stages=2, num_micro_batches=4, remat="never",
+            micro_batch_loops=loops, devices=cpu_devices[:2],
+        )  # fmt: skip
+        pm.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS, jit_compile=True)
+        assert pm.stage_jit == [True, True]
+        history = pm.fit(x, y, batch_size=13, epochs=2, shuffle=False, verbose=0).history["loss"]
+        results.append((history, pm.get_weights()))
+    assert calls
+    assert_all_close(results[0][0], results[1][0])
+    assert_all_close(results[0][1], results[1][1])
