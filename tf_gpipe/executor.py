@@ -75,6 +75,17 @@ def _whole_batch_grads(schedule: Any, batch_loss: BatchLossFn | None, outputs, o
     return {(last, m): g for m, g in enumerate(batch_loss(outputs, out_masks))}
 
 
+def _sized(schedule: Any, cells: Sequence[Cell], split: Split) -> tuple[int, int]:
+    """``(stages, micro-batches)`` of the model, refused unless ``schedule`` is for as many."""
+    S, M = len(cells), len(split)
+    if schedule.num_virtual_stages != S or schedule.num_micro_batches != M:
+        raise ValueError(
+            f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
+            f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
+        )
+    return S, M
+
+
 def run_forward(
     schedule: Any,
     cells: Sequence[Cell],
@@ -109,12 +120,7 @@ def run_forward(
         ``(outputs per micro-batch, their Keras masks, the losses the layers added, per
         micro-batch)``.
     """
-    S, M = len(cells), len(split)
-    if schedule.num_virtual_stages != S or schedule.num_micro_batches != M:
-        raise ValueError(
-            f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
-            f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
-        )
+    _, M = _sized(schedule, cells, split)
     if (
         not training
         and loops
@@ -196,12 +202,7 @@ def run_schedule(
         {id(variable): summed gradient}, losses the layers added, per micro-batch,
         the loss terms: per micro-batch, or summed over them as one row)``.
     """
-    S, M = len(cells), len(split)
-    if schedule.num_virtual_stages != S or schedule.num_micro_batches != M:
-        raise ValueError(
-            f"tf_gpipe: schedule {schedule.name!r} is for {schedule.num_virtual_stages} stages x "
-            f"{schedule.num_micro_batches} micro-batches, the model has {S} x {M}."
-        )
+    S, M = _sized(schedule, cells, split)
     per_micro_batch = micro_loss is not None
     if (
         micro_batch_loops

@@ -393,9 +393,17 @@ class _Step:
         carried = {**self.tokens.initial("BW"), **self._sums()}
         carried.update({("stash", s): first[1]["emitted", ("stash", s)] for s in range(S)})
         second = loop_state.emitting(M, devices, carried, backwards)
-        return self._results([first, second], [])
+        return self._results([first, second], [], out=(outputs, out_masks))
 
-    def _results(self, parts: list[tuple[loop_state.Emitted, dict]], terms: list[Any], sums: bool = True):
+    def _results(
+        self,
+        parts: list[tuple[loop_state.Emitted, dict]],
+        terms: list[Any],
+        sums: bool = True,
+        out: Any = None,
+    ):
+        """The step's results from what its loops emitted; ``out``: the outputs and their masks,
+        where the step has read them already."""
         cells, M = self.cells, self.M
 
         def find(key):
@@ -404,8 +412,10 @@ class _Step:
                     return emitted, state
             return None, None
 
-        emitted, state = find(("out",))
-        outputs, out_masks = zip(*emitted.each(state, ("out",)))
+        if out is None:
+            emitted, state = find(("out",))
+            out = tuple(zip(*emitted.each(state, ("out",))))
+        outputs, out_masks = out
         cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
         totals: dict[int, Any] = {}
         for s, cell in enumerate(cells):

@@ -170,10 +170,7 @@ def backward(
         )
         if to_sums:
             return in_grads, stage.functions(cell).sums.add(var_grads, record.nonempty, after)
-        found = {}
-        for v, g in zip(cell.trainable_variables, var_grads):
-            found[id(v)] = found[id(keras_compat.backing_variable(v))] = mask_grad(g, record.nonempty)
-        return in_grads, [found.get(id(v)) for v in variables]
+        return in_grads, _for_variables(cell, [mask_grad(g, record.nonempty) for g in var_grads], variables)
     if record.tape is None:
         in_grads, cell_grads = stage.functions(cell).backward(
             record.inputs,
@@ -195,11 +192,7 @@ def backward(
             return in_grads, cell_grads
         if not need_weight_grads:
             return in_grads, []
-        by_id = {}
-        for v, g in zip(cell.trainable_variables, cell_grads):
-            by_id[id(v)] = g
-            by_id[id(keras_compat.backing_variable(v))] = g  # `variables` may hold either
-        return in_grads, [by_id.get(id(v)) for v in variables]
+        return in_grads, _for_variables(cell, cell_grads, variables)
     flat_in = tf.nest.flatten(record.inputs)
     float_pos = float_positions(flat_in)
     with tf.device(cell.device):
@@ -279,3 +272,12 @@ def rematerialized(
         full[i] = t
     outputs, out_mask = tf.nest.pack_sequence_as(meta["structure"], full)
     return outputs, out_mask, list(result[n_pos:])
+
+
+def _for_variables(cell: Cell, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+    """``grads`` (following ``cell.trainable_variables``) for ``variables``, which may hold
+    the Keras variables or their backing ``tf.Variable``s."""
+    by_id = {}
+    for v, g in zip(cell.trainable_variables, grads):
+        by_id[id(v)] = by_id[id(keras_compat.backing_variable(v))] = g
+    return [by_id.get(id(v)) for v in variables]
