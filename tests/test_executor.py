@@ -10,7 +10,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
-from tf_gpipe import schedules, trainer
+from tf_gpipe import executor, microbatch, schedules, trainer
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -284,3 +284,16 @@ def test_call_builds_the_schedules_forwards_in_its_order_on_their_devices(K, M, 
     assert [tf.DeviceSpec.from_string(d).to_string() for _, _, d in built] == [
         tf.DeviceSpec.from_string(devices[s]).to_string() for s, _ in expected
     ]
+
+
+def test_a_schedule_for_another_shape_is_refused():
+    """The executor builds a step, or a forward, only from a schedule for as many stages and
+    micro-batches as the model has."""
+    pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=2)
+    pm.build((None, 8))
+    split = microbatch.split(tf.zeros([4, 8]), 2)
+    wrong = schedules.get("gpipe", 2, 3)
+    with pytest.raises(ValueError, match=r"is for 2 stages x 3 micro-batches, the model has 2 x 2"):
+        executor.run_schedule(wrong, pm.cells, split, [None, None], pm.pipeline.rematerializes)
+    with pytest.raises(ValueError, match=r"is for 2 stages x 3 micro-batches, the model has 2 x 2"):
+        executor.run_forward(wrong, pm.cells, split, [None, None], False, pm.pipeline.rematerializes)
