@@ -49,7 +49,6 @@ class Plan:
     trainable_outputs: list[int]  # positions in the forward's outputs that take a gradient
     output_specs: list[tf.TensorSpec]  # of every forward output (a zero gradient's shape)
     output_slots: dict[int, tuple[str, int]]  # forward output -> ("outputs" | "losses", index)
-    n_inputs: int  # flat tensor arguments of the forward (its captured inputs follow)
     input_positions: list[int]  # for each of tf.nest.flatten(inputs): its flat argument, or -1
     variable_positions: list[int]  # for each trainable variable: its gradient's position
 
@@ -135,7 +134,6 @@ def forward(
         trainable_outputs=[j for j in range(n) if _differentiable(graph_outputs[j].dtype)],
         output_specs=[tf.TensorSpec(t.shape, t.dtype) for t in graph_outputs[:n]],
         output_slots=slots,
-        n_inputs=len(flat_args),
         input_positions=positions,
         variable_positions=variable_positions,
     )
