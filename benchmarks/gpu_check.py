@@ -6,22 +6,26 @@ every check that needs one, each in its own process (logical devices must be set
 before TensorFlow starts), and prints one table. On a machine without a GPU it runs
 the same checks on logical CPUs, which tests the script, not the GPU.
 
-    python benchmarks/gpu_check.py                  # everything (the suite takes ~6 min)
-    python benchmarks/gpu_check.py --skip=suite     # the rest (~2 min)
+    python benchmarks/gpu_check.py                  # everything
+    python benchmarks/gpu_check.py --skip=suite     # the rest
 
-Checks:
-- ``suite``: ``pytest -q -n 2 tests`` (the README's test command), pass/fail counts;
-- ``example``: ``examples/train_classifier.py`` for 2 epochs on the real devices;
+Checks, in this order:
+- ``example``: ``examples/train_classifier.py`` for 2 epochs on the real devices, with its
+  unsplit-export comparison (inside ``tf_gpipe.exact_float32()``);
 - ``xla``: a 4-stage ``PipelineModel`` compiled with ``jit_compile=True`` (XLA stage by
   stage) against ``keras.Sequential`` compiled with XLA, same weights, 3 Adam steps,
   inside ``tf_gpipe.exact_float32()``: largest weight difference (ok below 1e-4);
-- ``first_step``: trace + compile + first run of a K=4 Transformer-block stack for
-  M in {1, 8, 32}, and ``keras.Sequential``'s (XLA where Keras would use it); ok when
-  M=32 takes at most 1.3x M=1 (the target of the one-engine work, met today only by GPipe's
-  loops over micro-batches on CPU stages);
 - ``logical4``: device 0 split into 4 logical devices, stages 0-3 on them, Adam: the
   step's partition graphs must hold no optimizer op outside the stages' devices, and
-  an update (an assign) on each of devices 1-3; the median step time.
+  an update (an assign) on each of devices 1-3; the median step time;
+- ``first_step``: trace + compile + first run of a K=4 Transformer-block stack for
+  M in {1, 8, 32} per schedule (``--first_step_schedules``), and ``keras.Sequential``'s
+  (XLA where Keras would use it); ok when M=32 takes at most 1.3x M=1 and 1.5x
+  ``keras.Sequential``;
+- ``overlap``: ``benchmarks/overlap/overlap.py`` (K=2 on two logical CPUs against plain
+  Keras with the same micro-batches), short, with the GPU hidden: the host CPU's figures;
+- ``suite``: the README's tests (``pytest -n`` with the cores there are), counts and
+  the names of any that failed.
 """
 
 from __future__ import annotations
@@ -39,12 +43,13 @@ import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("skip", [], "Checks to leave out: suite, example, xla, first_step, logical4.")
+flags.DEFINE_list("skip", [], "Checks to leave out: example, xla, logical4, first_step, overlap, suite.")
 flags.DEFINE_string("child", "", "Internal: run this one check in this process and print its JSON.")
 flags.DEFINE_integer("timeout", 900, "Seconds each check may take.")
+flags.DEFINE_list("first_step_schedules", ["gpipe", "1f1b"], "Schedules the first_step check times.")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKS = ("suite", "example", "xla", "first_step", "logical4")
+CHECKS = ("example", "xla", "logical4", "first_step", "overlap", "suite")
 
 
 # ---------------------------------------------------------------------------- in a child process
@@ -123,19 +128,31 @@ def _first_step() -> dict:
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     times = {}
-    for m in (1, 1, 8, 32):  # the first M=1 also pays the process' one-time costs: not kept
-        model = tf_gpipe.PipelineModel(layers(), devices=devices[:4], num_micro_batches=m)
+    runs = [("gpipe", 1)] + [(name, m) for name in FLAGS.first_step_schedules for m in (1, 8, 32)]
+    for i, (name, m) in enumerate(runs):  # the first run pays the process' one-time costs: not kept
+        extra = {"virtual_stages": 2} if name == "interleaved" else {}
+        model = tf_gpipe.PipelineModel(
+            layers(), devices=devices[:4], num_micro_batches=m, schedule=name, **extra
+        )
         model.compile(optimizer="adam", loss=loss)
         start = time.perf_counter()
         model.train_on_batch(x, y)
-        times[f"M={m}"] = round(time.perf_counter() - start, 2)
+        if i:
+            times[f"{name} M={m}"] = round(time.perf_counter() - start, 2)
     seq = keras.Sequential([keras.Input((32,), dtype="int32"), *layers()])
     seq.compile(optimizer="adam", loss=loss)  # jit_compile="auto", as a user would
     start = time.perf_counter()
     seq.train_on_batch(x, y)
     times["keras.Sequential"] = round(time.perf_counter() - start, 2)
-    ratio = times["M=32"] / times["M=1"]
-    return {"kind": kind, "seconds": times, "M32_over_M1": round(ratio, 2), "ok": ratio <= 1.3}
+    flat = {n: round(times[f"{n} M=32"] / times[f"{n} M=1"], 2) for n in FLAGS.first_step_schedules}
+    to_seq = {n: round(times[f"{n} M=32"] / times["keras.Sequential"], 2) for n in FLAGS.first_step_schedules}
+    return {
+        "kind": kind,
+        "seconds": times,
+        "M32_over_M1": flat,
+        "M32_over_sequential": to_seq,
+        "ok": all(r <= 1.3 for r in flat.values()) and all(r <= 1.5 for r in to_seq.values()),
+    }
 
 
 def _short(device: str) -> str:
@@ -194,10 +211,11 @@ def _logical4() -> dict:
 
 
 # ---------------------------------------------------------------------------- the parent
-def _run(cmd: list[str]) -> tuple[int, str, float]:
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:
     start = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=FLAGS.timeout)
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=FLAGS.timeout, env=env)
         return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
     except subprocess.TimeoutExpired as e:
         return 124, f"timed out after {FLAGS.timeout} s: {e}", time.perf_counter() - start
@@ -205,19 +223,32 @@ def _run(cmd: list[str]) -> tuple[int, str, float]:
 
 def _check(name: str) -> dict:
     if name == "suite":
-        rc, out, s = _run([sys.executable, "-m", "pytest", "-q", "-n", "2", "tests"])
-        counts = re.findall(r"(\d+) (passed|failed|error)", out)
-        return {"ok": rc == 0, "result": " ".join(f"{n} {w}" for n, w in counts) or out[-300:], "seconds": s}
+        workers = str(max(2, min(14, (os.cpu_count() or 2) - 2)))
+        rc, out, s = _run([sys.executable, "-m", "pytest", "-q", "-rfE", "-n", workers, "tests"])
+        counts = re.findall(r"(\d+) (passed|failed|errors?)\b", out)
+        failed = [line for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        result = " ".join(f"{n} {w}" for n, w in counts) or out[-300:]
+        return {"ok": rc == 0, "result": "; ".join([result, *failed]), "seconds": s}
     if name == "example":
         script = os.path.join("examples", "train_classifier.py")
         rc, out, s = _run([sys.executable, script, "--virtual_cpus=0", "--epochs=2", "--verbose=0"])
         summary = [line for line in out.splitlines() if line.startswith("SUMMARY ")]
+        export = [line for line in out.splitlines() if line.startswith("Unsplit export")]
         return {
             "ok": rc == 0 and bool(summary),
-            "result": summary[-1][8:] if summary else out[-300:],
+            "result": "; ".join(export + ([summary[-1][8:]] if summary else [out[-600:]])),
             "seconds": s,
         }
-    rc, out, s = _run([sys.executable, os.path.abspath(__file__), f"--child={name}"])
+    if name == "overlap":
+        # A CPU benchmark: the GPU hidden, so plain Keras runs on the same cores as the stages.
+        script = os.path.join("benchmarks", "overlap", "overlap.py")
+        args = ["--settings=0-0-1,2-1-1", "--rounds=3", "--steps=5", "--warmup=2", "--trace=False"]
+        args += ["--variants=plain_mb,pipe_k2_gpipe,pipe_k2_1f1b", "--out=" + harness.OUT_DIR]
+        rc, out, s = _run([sys.executable, script, *args], env={"CUDA_VISIBLE_DEVICES": ""})
+        table = [line for line in out.splitlines() if line.startswith("|")]
+        return {"ok": rc == 0, "result": "\n".join(table) or out[-600:], "seconds": s}
+    schedules = "--first_step_schedules=" + ",".join(FLAGS.first_step_schedules)
+    rc, out, s = _run([sys.executable, os.path.abspath(__file__), f"--child={name}", schedules])
     found = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if rc or not found:
         return {"ok": False, "result": out[-600:], "seconds": s}

@@ -51,3 +51,31 @@ def test_exact_float32_turns_tf32_off_and_restores_it():
         assert tf.config.experimental.tensor_float_32_execution_enabled()
     finally:
         tf.config.experimental.enable_tensor_float_32_execution(was)
+
+
+def test_xla_stages_compile_apart_inside_exact_float32(cpu_devices):
+    """An XLA program fixes its matmul precision when compiled: inside the block an XLA
+    stage gets functions (so programs) of its own; a stage without XLA keeps its own."""
+    import keras
+
+    import tf_gpipe
+    from tf_gpipe import stage
+
+    pm = tf_gpipe.PipelineModel(
+        [keras.layers.Dense(4), keras.layers.Dense(2)], devices=cpu_devices[:2], num_micro_batches=2
+    )
+    pm.build((None, 3))
+    pm.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    xla, plain = pm.cells[0], pm.cells[1]
+    plain.jit_compile = False
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
+    try:
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+        outside = stage.functions(xla), stage.functions(plain)
+        with devices_lib.exact_float32():
+            inside = stage.functions(xla), stage.functions(plain)
+        again = stage.functions(xla), stage.functions(plain)
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(was)
+    assert inside[0] is not outside[0] and again[0] is outside[0]
+    assert inside[1] is outside[1]

@@ -87,11 +87,11 @@ class Cell:
         self.jit_compile = False  # compile this stage's functions with XLA (PipelineModel.compile)
         self.run_eagerly = False  # run its layers op by op (compile(run_eagerly=True))
         self._batch_norms: list | None = None
-        # What other modules keep per stage, here so that it lives as long as the stage: its
-        # traced functions (``tf_gpipe.stage``), the variables fit sums its gradients in (they
-        # outlive a remake of the functions for a new XLA choice), and the ids of the
-        # variables whose gradient rows do not grow with the batch (``tf_gpipe.sparse``).
-        self.stage_functions: Any = None
+        # What other modules keep per stage, here so that it lives as long as the stage:
+        # its traced functions (``tf_gpipe.stage``, one set per XLA choice), the variables
+        # fit sums its gradients in (shared by those sets), and the ids of the variables
+        # whose gradient rows do not grow with the batch (``tf_gpipe.sparse``).
+        self.stage_functions: dict[tuple[bool, bool, bool], Any] = {}
         self.gradient_sums: dict[int, tf.Variable] = {}
         self.batch_free_rows: frozenset[int] | None = None
 

@@ -75,6 +75,12 @@ def exact_float32() -> Iterator[None]:
     and pick kernels by shape: a micro-batched and an unsplit model then differ by
     ~1e-3 relative although they compute the same function. Comparisons between
     the two belong in this block; elsewhere TF32 is TensorFlow's (fast) default.
+
+    An XLA program keeps the precision it was compiled with: a pipeline's XLA stages
+    have separate programs inside the block, but a step function Keras traced before
+    it (``model.predict_function`` and the like) keeps calling the programs it traced.
+    Compare with ``predict`` or ``evaluate`` first run inside the block, or reset the
+    model's ``predict_function`` (etc.) to None before it.
     """
     was = tf.config.experimental.tensor_float_32_execution_enabled()
     tf.config.experimental.enable_tensor_float_32_execution(False)

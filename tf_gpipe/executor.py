@@ -124,7 +124,7 @@ def run_forward(
     if (
         not training
         and loops
-        and micro_batch_loop.chosen(loops, cells)
+        and micro_batch_loop.chosen(loops)
         and micro_batch_loop.forward_applies(cells, split, masks, sides)
     ):
         return micro_batch_loop.forward(cells, split, masks, sides, training)
@@ -206,7 +206,7 @@ def run_schedule(
     per_micro_batch = micro_loss is not None
     if (
         micro_batch_loops
-        and micro_batch_loop.chosen(micro_batch_loops, cells)
+        and micro_batch_loop.chosen(micro_batch_loops)
         and micro_batch_loop.applies(
             schedule, cells, split, masks, rematerializes, sides, targets, per_micro_batch, tracer
         )

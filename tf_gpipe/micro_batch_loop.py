@@ -56,16 +56,13 @@ MicroLossFn = Callable[[Any, Any, Any], tuple[list[tf.Tensor | None], list[tf.Te
 BatchLossFn = Callable[[list[Any], list[Any]], list[list[tf.Tensor | None]]]
 
 
-def chosen(setting: bool | str, cells: Sequence[Cell]) -> bool:
-    """Whether ``PipelineModel(micro_batch_loops=setting)`` asks for the loops on these stages.
+def chosen(setting: bool | str) -> bool:
+    """Whether ``PipelineModel(micro_batch_loops=setting)`` asks for the loops.
 
-    ``"auto"`` asks for them where every stage is on a CPU: the loops have not run on a
-    GPU yet (none was available while they were built), so GPU stages keep the step
-    built out, one call per (stage, micro-batch), unless ``micro_batch_loops=True``.
+    ``"auto"`` and ``True`` do, on every kind of device; ``False`` builds every action
+    out, one call per (stage, micro-batch): a graph, and a first step, that grow with M.
     """
-    if setting == "auto":
-        return all(tf.DeviceSpec.from_string(c.device or "").device_type == "CPU" for c in cells)
-    return bool(setting)
+    return setting is True or setting == "auto"
 
 
 def applies(

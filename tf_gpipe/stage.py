@@ -58,14 +58,19 @@ def _inline() -> bool:
 
 
 def functions(cell: Cell) -> StageFunctions:
-    """The stage functions of ``cell``, made on first use and remade when its XLA choice changes."""
-    fns = cell.stage_functions
+    """The stage functions of ``cell`` for its XLA choice, made on first use.
+
+    An XLA program fixes its matmul precision when compiled (TF32 or full float32, by
+    ``tf.config.experimental.tensor_float_32_execution_enabled()`` then): an XLA stage
+    has its own functions, so its own programs, inside and outside ``exact_float32()``.
+    """
     jit = bool(getattr(cell, "jit_compile", False))
     eager = bool(getattr(cell, "run_eagerly", False))
-    if fns is None or (fns.jit_compile, fns.eager) != (jit, eager):
-        fns = StageFunctions(cell, jit, eager)
-        cell.stage_functions = fns
-    return fns
+    key = (jit, eager, jit and tf.config.experimental.tensor_float_32_execution_enabled())
+    made = cell.stage_functions
+    if key not in made:
+        made[key] = StageFunctions(cell, jit, eager)
+    return made[key]
 
 
 class StageFunctions:
