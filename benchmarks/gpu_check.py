@@ -213,7 +213,8 @@ def _logical4() -> dict:
 # ---------------------------------------------------------------------------- the parent
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:
     start = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=FLAGS.timeout, env=env)
         return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
