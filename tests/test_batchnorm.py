@@ -77,6 +77,11 @@ class _CountedGradient(keras.layers.Layer):
 
     runs = 0
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # A host call inside: no XLA (what Keras asks a layer to declare).
+        self.supports_jit = False
+
     def call(self, x):
         @tf.custom_gradient
         def identity(t):

@@ -21,7 +21,16 @@ def _pretend(monkeypatch, gpus, cpus=4):
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: table.get(kind, []))
 
 
-def test_default_devices_are_the_logical_cpus_without_gpus(cpu_devices):
+def hide_gpus(monkeypatch):
+    """No GPU for ``default_devices`` to see, on any machine."""
+    listed = tf.config.list_logical_devices
+    monkeypatch.setattr(
+        tf.config, "list_logical_devices", lambda kind=None: [] if kind == "GPU" else listed(kind)
+    )
+
+
+def test_default_devices_are_the_logical_cpus_without_gpus(cpu_devices, monkeypatch):
+    hide_gpus(monkeypatch)
     assert devices_lib.default_devices(3) == cpu_devices[:3]
     assert devices_lib.default_devices(6) == [cpu_devices[k % 4] for k in range(6)]
 

@@ -240,7 +240,10 @@ def test_from_model_takes_num_stages_from_balance():
         PipelineModel.from_model(model, num_stages=3, balance=[2, 1])
 
 
-def test_more_stages_than_cpus_warns_as_for_gpus(cpu_devices):
+def test_more_stages_than_cpus_warns_as_for_gpus(cpu_devices, monkeypatch):
+    from test_devices import hide_gpus
+
+    hide_gpus(monkeypatch)
     expected = r"6 stages on 4 CPU.*devices=\[\.\.\.\].*configure_virtual_cpus\(6\)"
     with pytest.warns(UserWarning, match=expected):
         model = PipelineModel(_dense(6), num_stages=6)

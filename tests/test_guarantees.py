@@ -117,8 +117,15 @@ def peaks():
     """The probes' peak bytes: {name: [one per run]}."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # The BFC allocator keeps statistics on every CPU; TensorFlow's default CPU
-    # allocator keeps none unless oneDNN is on, which depends on the host's CPU.
-    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true")
+    # allocator keeps none unless oneDNN is on, which depends on the host's CPU. The probes
+    # read the CPU allocator: a GPU, where there is one, is hidden from them.
+    env = dict(
+        os.environ,
+        PYTHONPATH=root,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        TF_CPU_ALLOCATOR_USE_BFC="true",
+        CUDA_VISIBLE_DEVICES="",
+    )
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(PROBES)],
         env=env,

@@ -92,6 +92,8 @@ class _Logged(keras.layers.Layer):
         super().__init__(**kwargs)
         # A bound method, not the list: Keras would track (copy) a list attribute.
         self.stage, self.append = stage, log.append
+        # A host call inside: no XLA (what Keras asks a layer to declare).
+        self.supports_jit = False
 
     def call(self, x):
         def record(kind):

@@ -274,7 +274,7 @@ def test_the_gradient_sums_zeros_are_counted_once_per_weight_shape_and_stage():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
-def test_the_step_holds_the_gradient_sums_zeros(schedule):
+def test_the_step_holds_the_gradient_sums_zeros(schedule, cpu_devices):
     """What ``StageCost.sum_zeros_bytes`` stands for, measured: the step function holds those
     bytes for as long as it lives (freed with it), and holds nothing of the kind with M = 1.
     zb-h1 on a tape holds no more: each half takes the stage call's first-order gradient (a
@@ -285,9 +285,13 @@ def test_the_step_holds_the_gradient_sums_zeros(schedule):
         keras.utils.set_random_seed(0)
         layers = [keras.layers.Dense(512) for _ in range(4)] + [keras.layers.Dense(3)]
         pm = tf_gpipe.PipelineModel(
-            layers, num_stages=2, balance=[1, 4], num_micro_batches=num_micro_batches, remat="never",
+            layers,
+            devices=cpu_devices[:2],
+            balance=[1, 4],
+            num_micro_batches=num_micro_batches,
+            remat="never",
             schedule=schedule,
-        )  # fmt: skip
+        )  # fmt: skip  (CPU stages: the CPU allocator is what is read)
         pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         x, y = np.random.RandomState(0).randn(8, 512).astype("float32"), np.arange(8) % 3
         for _ in range(2):

@@ -13,6 +13,11 @@ import tf_gpipe
 class _PySin(keras.layers.Layer):
     """x * sin(x), computed in Python: its gradient depends on each micro-batch's input."""
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # A host call inside: no XLA (what Keras asks a layer to declare).
+        self.supports_jit = False
+
     def call(self, x):
         y = tf.py_function(lambda t: t * tf.sin(t), [x], tf.float32)
         y.set_shape(x.shape)

@@ -297,11 +297,11 @@ def test_jit_compile_true_masks_and_sparse_gradients_match_sequential():
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
 
 
-def test_jit_compile_auto_off_on_cpu_and_false_never():
+def test_jit_compile_auto_off_on_cpu_and_false_never(cpu_devices):
     for jit in ("auto", False):
-        pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=2)
+        pm = tf_gpipe.PipelineModel(mlp_layers(), devices=cpu_devices[:2], num_micro_batches=2)
         pm.compile(optimizer="sgd", loss=LOSS, jit_compile=jit)
-        assert pm.stage_jit == [False, False]  # no GPU or TPU in the test machine
+        assert pm.stage_jit == [False, False]  # CPU stages, a GPU visible or not
         pm.train_on_batch(*data(6))
         assert _compiled_with_xla(pm) == [False, False]
 
@@ -313,6 +313,26 @@ class _NoXla(keras.layers.Layer):
 
     def call(self, x):
         return x + 1.0
+
+
+def test_jit_compile_auto_follows_each_stage_device(cpu_devices, monkeypatch):
+    """``"auto"`` compiles a stage with XLA where it runs on a GPU (as Keras compiles a model
+    for the accelerator it runs on), never one placed on a CPU beside it; ``False`` none."""
+    from tf_gpipe.jit import choose_jit
+
+    real = tf.config.list_physical_devices
+    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+    monkeypatch.setattr(
+        tf.config,
+        "list_physical_devices",
+        lambda device_type=None: real(device_type) + ([gpu] if device_type in (None, "GPU") else []),
+    )
+
+    pm = tf_gpipe.PipelineModel(mlp_layers(), devices=cpu_devices[:2], num_micro_batches=2)
+    pm.build((None, 8))
+    pm.cells[0].device = "/job:localhost/replica:0/task:0/device:GPU:0"  # read, never run
+    assert choose_jit(pm.cells, "auto") == [True, False]
+    assert choose_jit(pm.cells, False) == [False, False]
 
 
 def test_jit_compile_true_skips_a_stage_whose_layer_refuses_xla():
@@ -336,6 +356,9 @@ def test_jit_compile_auto_compiles_where_keras_would(monkeypatch):
 
     monkeypatch.setattr(tf.config, "list_physical_devices", with_gpu)
     pm = tf_gpipe.PipelineModel(mlp_layers(depth=1) + [_NoXla()], num_stages=2, num_micro_batches=2)
+    pm.build((None, 8))
+    for cell in pm.cells:  # where a GPU's stages would be (read, never run)
+        cell.device = "/job:localhost/replica:0/task:0/device:GPU:0"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pm.compile(optimizer="sgd", loss=LOSS)  # jit_compile="auto"

@@ -213,8 +213,8 @@ def define_pipeline_flags(
         "micro_batch_loops",
         d["micro_batch_loops"],
         list(_LOOPS),
-        "Build GPipe's step (remat=always) as two loops over micro-batches, so the first step does "
-        "not grow with --num_micro_batches: 'auto' where every stage is on a CPU, 'true' on any "
+        "Build fit's step as loops over micro-batches (every schedule and remat mode), so the "
+        "first step does not grow with --num_micro_batches: 'auto' and 'true' on every kind of "
         "device, 'false' never (one call per stage and micro-batch).",
         flag_values=fv,
     )

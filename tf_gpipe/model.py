@@ -93,8 +93,9 @@ class PipelineModel(keras.Model):
             inputs are not differentiated.
         micro_batch_loops: build ``fit``'s step as loops over micro-batches, so the first
             step stops growing with M (docs/api.md): every schedule, any ``remat``; M >= 2,
-            dense inputs, no timeline. ``"auto"`` (the default): where they apply and every stage is on a
-            CPU; ``True``: on any device; ``False``: never. ``tick_loop=`` is its deprecated name.
+            dense inputs, no timeline. ``"auto"`` (the default) and ``True``: where they
+            apply, on every kind of device; ``False``: never. ``tick_loop=`` is its
+            deprecated name.
         plan: a ``tf_gpipe.plan(...)`` result: sets ``num_stages``, ``balance``,
             ``num_micro_batches``, ``remat``, ``schedule``, ``virtual_stages`` and
             ``devices``; any of these also given must agree with it.
