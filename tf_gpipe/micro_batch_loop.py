@@ -35,13 +35,12 @@ functions' traces are shared, so that costs the glue only.
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import loop_state, ordering, remat, replay, sparse, stage
+from tf_gpipe import loop_state, ordering, remat, replay, scoped, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -136,27 +135,21 @@ def run(
         ).run(micro_loss, batch_loss)
 
 
-_local = threading.local()  # replicas trace in threads of their own
+_untaped = scoped.Flag()
 
 
-@contextlib.contextmanager
-def untaped() -> Iterator[None]:
+def untaped() -> contextlib.AbstractContextManager[None]:
     """Within this scope nothing differentiates the model's forward (Keras' test and predict
     steps), so ``forward`` may build it as a loop: a user's tape around ``__call__`` would
     differentiate the stages' calls, which the loop's inlined calls do not offer."""
-    saved = getattr(_local, "untaped", False)
-    _local.untaped = True
-    try:
-        yield
-    finally:
-        _local.untaped = saved
+    return _untaped.scope()
 
 
 def forward_applies(
     cells: Sequence[Cell], split: Split, masks: Sequence[Any], sides: Sequence[Any] | None
 ) -> bool:
     """Whether ``forward`` builds this forward pass (else each micro-batch is built out)."""
-    return getattr(_local, "untaped", False) and _loopable(cells, split, (masks, sides))
+    return bool(_untaped) and _loopable(cells, split, (masks, sides))
 
 
 def forward(

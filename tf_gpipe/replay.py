@@ -16,20 +16,19 @@ The stage functions (``tf_gpipe.stage``, ``tf_gpipe.gated``) build on these piec
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, scoped
 from tf_gpipe.cell import Cell
 
 __all__ = ["is_recomputing"]
 
-_local = threading.local()
+_recomputing = scoped.Flag()
 
 
 def is_recomputing() -> bool:
@@ -40,16 +39,12 @@ def is_recomputing() -> bool:
     variable updates and ``keras.random`` draws need nothing: they are replayed
     exactly.
     """
-    return getattr(_local, "depth", 0) > 0
+    return bool(_recomputing)
 
 
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
+def recomputing() -> contextlib.AbstractContextManager[None]:
+    """The scope in which a cell's replay is traced."""
+    return _recomputing.scope()
 
 
 def read_stored(variable) -> tf.Tensor:

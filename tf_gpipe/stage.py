@@ -17,25 +17,22 @@ so it draws the same dropout masks and changes nothing.
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tf_gpipe import gated, handles, keras_compat, replay
+from tf_gpipe import gated, handles, keras_compat, replay, scoped
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, attach_mask
 from tf_gpipe.gradient_sums import GradientSums
 
 __all__: list[str] = []
 
-_local = threading.local()  # replicas trace in threads of their own
+_inline = scoped.Flag()
 
 
-@contextlib.contextmanager
-def inlined() -> Iterator[None]:
+def inlined() -> contextlib.AbstractContextManager[None]:
     """Within this scope the stage functions are called as functions the runtime inlines.
 
     For a graph that calls each stage function once (the loops over micro-batches,
@@ -45,16 +42,7 @@ def inlined() -> Iterator[None]:
     (``_noinline``, see ``StageFunctions``). Inlined, a body's ops no longer wait for all
     of the call's inputs, nor its outputs for its writes: the forward and backward bodies
     spell out the orders they need when traced in this scope."""
-    saved = getattr(_local, "inline", False)
-    _local.inline = True
-    try:
-        yield
-    finally:
-        _local.inline = saved
-
-
-def _inline() -> bool:
-    return getattr(_local, "inline", False)
+    return _inline.scope()
 
 
 def functions(cell: Cell) -> StageFunctions:
@@ -183,11 +171,11 @@ class StageFunctions:
 
     def _plain_forward(self) -> Any:
         """The forward function (not taped) callers in this scope use: inlined or not."""
-        return self._forward_inlined if _inline() else self._forward
+        return self._forward_inlined if bool(_inline) else self._forward
 
     def _plain_backward(self) -> Any:
         """The backward function (no timeline markers) callers in this scope use: inlined or not."""
-        return self._backward_inlined if _inline() else self._backward
+        return self._backward_inlined if bool(_inline) else self._backward
 
     def _defers(self, deferred: Any, training: Any) -> bool:
         """Whether a call defers BatchNormalization statistics: ``deferred`` (a
@@ -214,7 +202,7 @@ class StageFunctions:
         # its writes: the reads wait for the inputs, the outputs for the writes, so that the
         # next micro-batch's forward (chained to this one's outputs) reads what this one wrote.
         inputs_ready = [t for t in tf.nest.flatten((inputs, mask, side)) if isinstance(t, tf.Tensor)]
-        ordered = tf.control_dependencies(inputs_ready if _inline() else [])
+        ordered = tf.control_dependencies(inputs_ready if bool(_inline) else [])
         # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"), ordered:
             capture = local.capture(bns, nonempty) if bns else contextlib.nullcontext()
@@ -235,7 +223,7 @@ class StageFunctions:
                 if nonempty is not None:  # an empty micro-batch (e.g. NaN batch statistics) changes nothing
                     new = tf.where(nonempty, new, old)
                 writes.append(v.assign(new))
-            if _inline() and writes:
+            if bool(_inline) and writes:
                 with tf.control_dependencies(writes):
                     outputs = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), outputs)
             recorded = local.sums() if bns else []
