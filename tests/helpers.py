@@ -95,3 +95,10 @@ def fit_both(seq, pm, x, y, batch_size=10):
     b = pm.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0).history["loss"]
     np.testing.assert_allclose(b, a, rtol=1e-5)
     assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def same_device(actual: str, expected: str) -> bool:
+    """Whether two device names, spelled in any way (short or with job and task), name the
+    same kind and index."""
+    a, e = tf.DeviceSpec.from_string(actual), tf.DeviceSpec.from_string(expected)
+    return (a.device_type, a.device_index) == (e.device_type, e.device_index)

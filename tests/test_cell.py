@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import record_slots
+from helpers import record_slots, same_device
 
 from tf_gpipe import PipelineModel
 
@@ -45,11 +45,6 @@ def _data(n=16, seed=0):
     return rng.randn(n, IN_DIM).astype("float32"), rng.randn(n, 3).astype("float32")
 
 
-def _same_device(actual: str, expected: str) -> bool:
-    a, e = tf.DeviceSpec.from_string(actual), tf.DeviceSpec.from_string(expected)
-    return (a.device_type, a.device_index) == (e.device_type, e.device_index)
-
-
 def _misplaced_stage_variables(model, include_seed_state=False):
     """(variable path, its device, its stage's device) for each misplaced variable."""
     wrong, checked = [], 0
@@ -58,7 +53,7 @@ def _misplaced_stage_variables(model, include_seed_state=False):
             variables = layer.variables if include_seed_state else layer.weights
             for v in variables:
                 checked += 1
-                if not _same_device(v.value.device, cell.device):
+                if not same_device(v.value.device, cell.device):
                     wrong.append((v.path, v.value.device, cell.device))
     assert checked > 0, "no variables to check: the model is not built"
     return wrong
@@ -80,7 +75,7 @@ def test_variables_on_stage_devices_after_build():
     _assert_stage_variables_placed(model)
     # BatchNormalization's non-trainable statistics too.
     bn = model.cells[0].layers[1]
-    assert _same_device(bn.moving_mean.value.device, PERMUTED[0])
+    assert same_device(bn.moving_mean.value.device, PERMUTED[0])
 
 
 def test_variables_on_stage_devices_when_built_by_fit():
@@ -137,7 +132,7 @@ def test_optimizer_slots_on_stage_devices():
     wrong = [
         (slot.path, slot.value.device, device[id(v)])
         for v, slot in slots
-        if not _same_device(slot.value.device, device[id(v)])
+        if not same_device(slot.value.device, device[id(v)])
     ]
     assert wrong == []
 
@@ -344,7 +339,7 @@ def test_compute_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, exp
     misplaced = [
         (node, op, device, expected_devices[k])
         for k, m, backward, node, op, device in compute
-        if not _same_device(device, expected_devices[k])
+        if not same_device(device, expected_devices[k])
     ]
     assert misplaced == [], misplaced[:20]
     expected = {(k, m, b) for k in range(3) for m in range(2) for b in (False, True)}
@@ -370,7 +365,7 @@ def test_all_stage_scope_ops_run_on_stage_devices_during_fit(fit_placement_log, 
     misplaced = [
         (node, op, device, expected_devices[k])
         for k, m, backward, node, op, device in ops
-        if not _same_device(device, expected_devices[k])
+        if not same_device(device, expected_devices[k])
     ]
     assert misplaced == [], misplaced[:20]
 
@@ -397,7 +392,7 @@ def test_the_loops_run_each_stage_on_its_device_during_fit(fit_placement_log):
         if scope and not (node.startswith("Func/") and _INLINED_ARGUMENT.search(node)):
             ops.append((int(scope.group(1)), scope.group(2), node, op, device))
     misplaced = [
-        (node, op, device) for k, _, node, op, device in ops if not _same_device(device, expected_devices[k])
+        (node, op, device) for k, _, node, op, device in ops if not same_device(device, expected_devices[k])
     ]
     assert misplaced == [], misplaced[:20]
     # The loops call each stage's functions once, and inline them (``stage.inlined``):

@@ -128,7 +128,10 @@ def test_dropout_and_batchnorm_replayed_under_1f1b_and_zb_h1():
             pm = tf_gpipe.PipelineModel(
                 make(), balance=[1, 4], num_micro_batches=4, remat=remat, schedule=schedule
             )
-            _compile(pm)
+            # Without XLA (which a GPU's stages get by default): its fusions round each
+            # function its own way, ~1e-5 apart after two epochs, and exact replay is the
+            # subject here.
+            _compile(pm, jit_compile=False)
             pm.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
             weights.append(pm.get_weights())  # BatchNormalization's moving statistics too
     for other in weights[1:]:

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, mlp_layers, partition_graphs
+from helpers import assert_all_close, mlp_layers, partition_graphs, same_device
 from test_loop import _token_data, _token_layers
 
 import tf_gpipe
@@ -180,11 +180,6 @@ def test_evaluate_and_predict_loop_and_match_the_built_out_forward(monkeypatch):
 _STAGE_SCOPE = re.compile(r"(?:^|/)stage(\d+)_(forward|backward|replay)/")
 
 
-def _same_device(a, b):
-    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    return (a.device_type, a.device_index) == (b.device_type, b.device_index)
-
-
 def test_gpipe_keeps_taped_stages_activations_between_its_loops(cpu_devices):
     """GPipe with ``remat="never"`` as two loops: each stage's forward half and the gradient
     of its kept activations run on its device (read from the partition graphs that ran), and
@@ -206,7 +201,7 @@ def test_gpipe_keeps_taped_stages_activations_between_its_loops(cpu_devices):
         if "_grad/" in node.name and "MatMul" in node.op:
             gradients.add(s)
         # A transfer is named after what it carries: the next stage receives a stage's output.
-        if node.op not in ("_Recv", "_Send") and not _same_device(node.device, devices[s]):
+        if node.op not in ("_Recv", "_Send") and not same_device(node.device, devices[s]):
             misplaced.append((node.name, node.op, node.device))
     assert misplaced == [], misplaced[:10]
     assert gradients == {0, 1, 2}, gradients
