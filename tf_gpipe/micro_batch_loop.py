@@ -416,8 +416,8 @@ class _Step:
             if self.deferred is not None:
                 emitted, state = find(("moments", s))
                 pooled = emitted.total(state, ("moments", s))
-                for bn, sums in zip(stage.functions(cell).pooled_layers(True), pooled):
-                    self.deferred.add_sums(bn, sums)
+                for bn, moments in zip(stage.functions(cell).pooled_layers(True), pooled):
+                    self.deferred.add_sums(bn, moments)
             variables = cell.trainable_variables
             if not sums:
                 continue
