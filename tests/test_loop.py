@@ -13,7 +13,7 @@ from test_side_inputs import _inputs as side_data
 from test_side_inputs import _layers as side_layers
 
 import tf_gpipe
-from tf_gpipe import loop_state, micro_batch_loop
+from tf_gpipe import loop_choice, loop_state, micro_batch_loop
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CALLS = ("StatefulPartitionedCall", "PartitionedCall")
@@ -208,8 +208,8 @@ def test_per_micro_batch_schedules_loop_by_default(schedule, remat, monkeypatch)
 def test_auto_asks_for_the_loops_on_every_device():
     """``"auto"`` (the default) and ``True`` mean the loops, on CPU and GPU stages alike;
     ``False`` builds every action out."""
-    assert micro_batch_loop.chosen("auto") and micro_batch_loop.chosen(True)
-    assert not micro_batch_loop.chosen(False)
+    assert loop_choice.chosen("auto") and loop_choice.chosen(True)
+    assert not loop_choice.chosen(False)
 
 
 @pytest.mark.parametrize("remat", ["never", "except_last"])

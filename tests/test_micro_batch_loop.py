@@ -253,3 +253,96 @@ def test_gpipe_taped_stages_with_xla_loop_and_match_built_out(cpu_devices, monke
     assert calls
     assert_all_close(results[0][0], results[1][0])
     assert_all_close(results[0][1], results[1][1])
+
+
+def _masked_layers():
+    """A Keras mask (Masking), dropout, deferred BatchNormalization statistics and a loss a
+    layer adds, and no Embedding (whose rows a loop's gradient would not keep)."""
+    keras.utils.set_random_seed(4)
+    return [
+        keras.layers.Masking(0.0),
+        keras.layers.Dropout(0.25, seed=1),
+        keras.layers.Dense(8, activation="relu", activity_regularizer=keras.regularizers.l2(1e-2)),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3),
+    ]
+
+
+def _custom_step(pm, x, y):
+    """A custom training step's loss and gradients: ``__call__`` under the user's tape."""
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, pm(x, training=True)) + tf.add_n(pm.losses)
+        grads = tape.gradient(loss, pm.trainable_variables)
+        return [loss] + [tf.convert_to_tensor(g) for g in grads]
+
+    return step
+
+
+def test_call_under_a_tape_is_one_loop_with_the_built_out_gradients(cpu_devices):
+    """``__call__`` in a custom training step, every stage re-materialized (the default),
+    ``micro_batch_loops=True``: one loop over micro-batches, whose gradient TensorFlow
+    builds as a second loop replaying each stage on its device, with the loss, the layers'
+    losses, every gradient and BatchNormalization's moving statistics of the step built
+    out; 29 examples in 4 micro-batches (8, 7, 7, 7)."""
+    rng = np.random.RandomState(0)
+    x = rng.randn(29, 6, 4).astype("float32")
+    x[:, 4:] *= rng.rand(29, 2, 1) > 0.5  # some masked time steps
+    y = rng.randint(0, 3, 29)
+    devices = cpu_devices[1:4]
+    got, loops_built = {}, {}
+    for loops in (False, "auto", True):
+        pm = tf_gpipe.PipelineModel(
+            _masked_layers(), devices=devices, num_micro_batches=4, micro_batch_loops=loops
+        )
+        pm.build((None, 6, 4))
+        step = _custom_step(pm, x, y)
+        graph = step.get_concrete_function().graph.as_graph_def()
+        loops_built[loops] = sum(n.op in ("While", "StatelessWhile") for n in graph.node)
+        keras.utils.set_random_seed(3)
+        if loops is True:
+            graphs = partition_graphs(step)
+        else:
+            step()
+        got[loops] = [t.numpy() for t in step()] + [w.numpy() for w in pm.non_trainable_weights]
+    # True: the forward loop and its gradient; "auto" keeps a custom step built out (its
+    # steady step is faster so, benchmarks/first_step/README.md).
+    assert loops_built == {False: 0, "auto": 0, True: 2}
+    assert_all_close(got[True], got[False], rtol=1e-5, atol=1e-6)
+    # Each stage's MatMuls (its forward, inlined in the loop) and its replay (a call in the
+    # gradient loop's body) on the stage's device, and nothing else of a stage's math
+    # differentiated elsewhere; stage 0 (Masking, Dropout) has no weights and no input
+    # gradient to replay for.
+    placed: dict = {}
+    for node in (n for g in graphs for n in g.node):
+        scope = re.search(r"stage(\d+)_forward/", node.name)
+        replay = "while_grad" in node.name and node.op == "StatefulPartitionedCall"
+        if scope and (replay or "MatMul" in node.op):
+            placed.setdefault((int(scope[1]), "replay" if replay else "matmul"), []).append(node.device)
+    assert sorted(placed) == [(1, "matmul"), (1, "replay"), (2, "matmul"), (2, "replay")], placed
+    for (s, kind), found in placed.items():
+        assert all(same_device(d, devices[s]) for d in found), (s, kind, found)
+
+
+def test_call_under_a_tape_keeps_an_embeddings_rows(cpu_devices):
+    """A stage holding an Embedding keeps ``__call__`` built out under a tape: a loop's
+    gradient of a variable is one dense sum, the whole table; built out it is the rows."""
+    x, y = _token_data()
+    pm = tf_gpipe.PipelineModel(
+        _token_layers(), devices=cpu_devices[1:4], num_micro_batches=4, micro_batch_loops=True
+    )
+    pm.build((None, 6))
+    kinds = []
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, pm(x, training=True))
+        kinds.extend(type(g).__name__ for g in tape.gradient(loss, pm.trainable_variables))
+        return loss
+
+    step.get_concrete_function()
+    assert kinds[0] == "IndexedSlices", kinds  # the Embedding's table

@@ -30,7 +30,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import micro_batch_loop, ordering, remat, replay, sparse, stage
+from tf_gpipe import loop_choice, micro_batch_loop, ordering, remat, replay, sparse, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
 
@@ -100,9 +100,10 @@ def run_forward(
     """Build the forward pass of ``schedule`` over ``cells``: its ``F`` actions, in its order.
 
     What ``PipelineModel.__call__`` runs: any enclosing tape differentiates through it,
-    re-materializing where ``rematerializes`` says (training only). Not training, where
-    ``loops`` (``micro_batch_loops``) asks for it and it applies, one loop over
-    micro-batches (``micro_batch_loop.forward``) instead.
+    re-materializing where ``rematerializes`` says (training only). Where ``loops``
+    (``micro_batch_loops``) asks for it and it applies, one loop over micro-batches
+    (``micro_batch_loop.forward``): not training, or training with ``loops`` True and every
+    stage re-materialized (``loop_choice.taped_applies``); else one call per action.
 
     Args:
         schedule: a ``tf_gpipe.schedules.Schedule`` with ``num_virtual_stages == len(cells)``;
@@ -114,20 +115,25 @@ def run_forward(
         sides: per micro-batch, the side inputs every stage may read (or None).
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization moments,
             applied here once every forward is built.
-        loops: ``micro_batch_loops``: True, False or "auto" (``micro_batch_loop.chosen``).
+        loops: ``micro_batch_loops``: True, False or "auto" (``loop_choice.chosen``).
 
     Returns:
         ``(outputs per micro-batch, their Keras masks, the losses the layers added, per
         micro-batch)``.
     """
     _, M = _sized(schedule, cells, split)
-    if (
-        not training
-        and loops
-        and micro_batch_loop.chosen(loops)
-        and micro_batch_loop.forward_applies(cells, split, masks, sides)
-    ):
-        return micro_batch_loop.forward(cells, split, masks, sides, training)
+    if loops and loop_choice.chosen(loops):
+        if not training and loop_choice.forward_applies(cells, split, masks, sides):
+            return micro_batch_loop.forward(cells, split, masks, sides, training)
+        # Under a tape only when asked for (True, not "auto"): the first step stops growing
+        # with M, but TensorFlow's gradient of the loop makes a slower steady step
+        # (benchmarks/first_step/README.md).
+        tape_loop = loops is True and loop_choice.taped_applies(cells, split, masks, sides, rematerializes)
+        if training and tape_loop:
+            out = micro_batch_loop.forward(cells, split, masks, sides, training, True, deferred)
+            if deferred is not None:
+                deferred.apply()
+            return out
     acts = list(split.chunks)
     masks = list(masks)
     losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
@@ -194,7 +200,7 @@ def run_schedule(
             moments; the caller applies it once the step is built.
         micro_batch_loops: build the step as loops over micro-batches where they apply
             (``tf_gpipe.micro_batch_loop``): True, False, or "auto" (where every stage is
-            on a CPU; ``micro_batch_loop.chosen``).
+            on a CPU; ``loop_choice.chosen``).
         targets: per micro-batch, what ``micro_loss`` reads besides the outputs.
 
     Returns:
@@ -206,8 +212,8 @@ def run_schedule(
     per_micro_batch = micro_loss is not None
     if (
         micro_batch_loops
-        and micro_batch_loop.chosen(micro_batch_loops)
-        and micro_batch_loop.applies(
+        and loop_choice.chosen(micro_batch_loops)
+        and loop_choice.applies(
             schedule, cells, split, masks, rematerializes, sides, targets, per_micro_batch, tracer
         )
     ):

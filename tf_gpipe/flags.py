@@ -214,8 +214,9 @@ def define_pipeline_flags(
         d["micro_batch_loops"],
         list(_LOOPS),
         "Build fit's step as loops over micro-batches (every schedule and remat mode), so the "
-        "first step does not grow with --num_micro_batches: 'auto' and 'true' on every kind of "
-        "device, 'false' never (one call per stage and micro-batch).",
+        "first step does not grow with --num_micro_batches: 'auto' on every kind of device, "
+        "'true' also for a custom training step's __call__, 'false' never (one call per stage "
+        "and micro-batch).",
         flag_values=fv,
     )
     flags.DEFINE_alias(_LOOPS_ALIAS, "micro_batch_loops", flag_values=fv)

@@ -331,12 +331,19 @@ class Emitted:
 
 
 def emitting(
-    M: int, devices: Sequence[str], state: dict, iteration: Callable[[Counters, dict], dict]
+    M: int,
+    devices: Sequence[str],
+    state: dict,
+    iteration: Callable[[Counters, dict], dict],
+    pack: bool = True,
 ) -> tuple[Emitted, dict]:
     """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: ``m`` gives
     the micro-batch index on each of ``devices``; the iteration updates ``state`` (loop
     variables: tensors and TensorArrays) and returns what it emits (``Emitted``). Returns
-    the emitted values' accumulator and the final state."""
+    the emitted values' accumulator and the final state. ``pack``: pass the stage calls'
+    variable handles through the loop packed (``tf_gpipe.handles``); a loop that a tape
+    differentiates reads the variables through the handles themselves, which is what the
+    tape connects to the variables it watches."""
     keys = sorted(state, key=repr)
     specs = {k: [tf.type_spec_from_value(v) for v in state[k]] for k in keys}
 
@@ -353,7 +360,7 @@ def emitting(
         values = tf.function(probe, autograph=False).get_concrete_function(*signature).structured_outputs
     out = Emitted(meta, values, M)
     # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
-    packed = handles.pack(captured)
+    packed = handles.pack(captured if pack else [])
     state = {**state, **out.initial(), **Counters(devices).initial(), "handles": packed.tensors}
 
     def body(_: tf.Tensor) -> None:

@@ -34,13 +34,12 @@ functions' traces are shared, so that costs the glue only.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import loop_state, ordering, remat, replay, scoped, sparse, stage
+from tf_gpipe import loop_state, ordering, remat, replay, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -53,53 +52,6 @@ __all__: list[str] = []
 MicroLossFn = Callable[[Any, Any, Any], tuple[list[tf.Tensor | None], list[tf.Tensor | None]]]
 # Given every micro-batch's last-stage outputs and masks, each one's loss gradients.
 BatchLossFn = Callable[[list[Any], list[Any]], list[list[tf.Tensor | None]]]
-
-
-def chosen(setting: bool | str) -> bool:
-    """Whether ``PipelineModel(micro_batch_loops=setting)`` asks for the loops.
-
-    ``"auto"`` and ``True`` do, on every kind of device; ``False`` builds every action
-    out, one call per (stage, micro-batch): a graph, and a first step, that grow with M.
-    """
-    return setting is True or setting == "auto"
-
-
-def applies(
-    schedule: Any,
-    cells: Sequence[Cell],
-    split: Split,
-    masks: Sequence[Any],
-    rematerializes: Callable[[int], bool],
-    sides: Sequence[Any] | None,
-    targets: Sequence[Any] | None,
-    per_micro_batch: bool,
-    tracer: Any,
-) -> bool:
-    """Whether ``run`` builds this step (else every action is built out)."""
-    if tracer is not None or not _loopable(cells, split, (masks, sides, targets)):
-        return False
-    taped = [c for s, c in enumerate(cells) if not rematerializes(s)]
-    if not per_micro_batch and any(stage.runs_loops(c) for c in taped):
-        # Between GPipe's two loops a taped stage keeps what its gradient reads
-        # (``tf_gpipe.stash``): a recurrent layer's per-step stacks are no tensors a
-        # TensorArray holds.
-        return False
-    try:
-        waits = loop_waits.waits(schedule)
-    except ValueError:
-        return False
-    # A forward waiting for a backward needs both in one loop.
-    return per_micro_batch or not any(w.kind == "F" and w.on_kind != "F" for w in waits)
-
-
-def _loopable(cells: Sequence[Cell], split: Split, per_micro_batch_data: Any) -> bool:
-    """Whether these micro-batches can go through a loop at all: a graph being built, two
-    or more micro-batches, no stage run eagerly, and only dense tensors (what TensorArrays
-    hold: no SparseTensor or RaggedTensor)."""
-    if tf.executing_eagerly() or len(split) < 2 or any(getattr(c, "run_eagerly", False) for c in cells):
-        return False
-    leaves = tf.nest.flatten((split.chunks, [list(d or []) for d in per_micro_batch_data]))
-    return all(t is None or isinstance(t, tf.Tensor) for t in leaves)
 
 
 def run(
@@ -135,32 +87,25 @@ def run(
         ).run(micro_loss, batch_loss)
 
 
-_untaped = scoped.Flag()
-
-
-def untaped() -> contextlib.AbstractContextManager[None]:
-    """Within this scope nothing differentiates the model's forward (Keras' test and predict
-    steps), so ``forward`` may build it as a loop: a user's tape around ``__call__`` would
-    differentiate the stages' calls, which the loop's inlined calls do not offer."""
-    return _untaped.scope()
-
-
-def forward_applies(
-    cells: Sequence[Cell], split: Split, masks: Sequence[Any], sides: Sequence[Any] | None
-) -> bool:
-    """Whether ``forward`` builds this forward pass (else each micro-batch is built out)."""
-    return bool(_untaped) and _loopable(cells, split, (masks, sides))
-
-
 def forward(
-    cells: Sequence[Cell], split: Split, masks: Sequence[Any], sides: Sequence[Any] | None, training: Any
+    cells: Sequence[Cell],
+    split: Split,
+    masks: Sequence[Any],
+    sides: Sequence[Any] | None,
+    training: Any,
+    taped: bool = False,
+    deferred: DeferredStats | None = None,
 ) -> tuple[list[Any], list[Any], list[list[tf.Tensor]]]:
-    """Every micro-batch's forward through every stage as one loop, nothing differentiated
-    (``evaluate``, ``predict``): ``(outputs, their Keras masks, the losses layers added)``
-    per micro-batch. Each stage's forwards in micro-batch order."""
+    """Every micro-batch's forward through every stage as one loop: ``(outputs, their Keras
+    masks, the losses layers added)`` per micro-batch. Each stage's forwards in micro-batch
+    order. Nothing differentiates it (``evaluate``, ``predict``), or, ``taped``, an
+    enclosing tape may (``__call__`` in a custom training step): each stage call is then
+    re-materialized (``remat.rematerialized``) and TensorFlow's gradient of the loop is a
+    second loop replaying each stage; ``deferred`` pools BatchNormalization moments."""
     waits = [loop_waits.Wait("F", s, "F", s, 1) for s in range(len(cells))]
     with stage.inlined():
-        step = _Step(waits, False, cells, split, masks, lambda s: True, sides, None, None, None, training)
+        step = _Step(waits, False, cells, split, masks, lambda s: True, sides, None, None, deferred, training)
+        step.taped = taped
         outputs, out_masks, _, cell_losses, _ = step.run(None, None)
     return outputs, out_masks, cell_losses
 
@@ -205,6 +150,8 @@ class _Step:
         # (``tf_gpipe.stash``), how it reads it in ``plans``.
         self.stashing = False
         self.plans: dict[int, Any] = {}
+        # A forward that a user's tape differentiates (``forward(..., taped=True)``).
+        self.taped = False
 
     def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list]:
         layout = loop_state.Layout(values[0], relax)
@@ -220,27 +167,32 @@ class _Step:
         with tf.device(cell.device), tf.name_scope(f"stage{s}_forward"):
             x = ordering.after(self.tokens.before(state, now, "F", s), x)
             local = DeferredStats() if self.deferred is not None else None
-            rec = remat.forward(
-                cell,
-                x,
-                mask,
-                self.training,
-                remat=self.rematerializes(s),
-                nonempty=self._nonempty(m, s),
-                deferred=local,
-                side=side,
-                persistent=self.halves,
-                input_grads=s > 0,
-                halves=self.stashing,
-            )
+            if self.taped:
+                y, y_mask, losses = remat.rematerialized(
+                    cell, x, mask, self.training, self._nonempty(m, s), local, side=side
+                )
+                rec = remat.Record(inputs=x, mask=mask, outputs=y, out_mask=y_mask, losses=losses)
+            else:
+                rec = remat.forward(
+                    cell,
+                    x,
+                    mask,
+                    self.training,
+                    remat=self.rematerializes(s),
+                    nonempty=self._nonempty(m, s),
+                    deferred=local,
+                    side=side,
+                    persistent=self.halves,
+                    input_grads=s > 0,
+                    halves=self.stashing,
+                )
             now["F", s] = loop_state.token(rec.outputs)
         self.input_specs.setdefault(s, sparse.relaxed_specs((rec.inputs, rec.mask, rec.side)))
         emit["losses", s] = ("each", cell.device, list(rec.losses))
-        emit["moments", s] = (
-            "pool",
-            cell.device,
-            [] if local is None else [list(v) for _, v in local.sums()],
-        )
+        # Statistics, never differentiated: without the stop, TensorFlow's gradient of a taped
+        # loop would differentiate each stage's call for them as well (zeros, at length).
+        moments = [] if local is None else [[tf.stop_gradient(t) for t in v] for _, v in local.sums()]
+        emit["moments", s] = ("pool", cell.device, moments)
         return rec
 
     def backward(self, s, rec, dy, m, n_losses, state, now, emit):
@@ -337,7 +289,7 @@ class _Step:
             return emit
 
         self.stashing = batch_loss is not None
-        first = loop_state.emitting(M, devices, self.tokens.initial("F"), forwards)
+        first = loop_state.emitting(M, devices, self.tokens.initial("F"), forwards, pack=not self.taped)
         if batch_loss is None:  # forwards only
             return self._results([first], [], sums=False)
         # Between GPipe's two loops every stage holds every micro-batch's stash, the step's

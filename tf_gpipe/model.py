@@ -16,7 +16,7 @@ from tf_gpipe.balance import balance_by_cost
 from tf_gpipe.cell import Cell
 from tf_gpipe.devices import resolve_devices
 from tf_gpipe.jit import choose_jit
-from tf_gpipe.micro_batch_loop import untaped
+from tf_gpipe.loop_choice import untaped
 from tf_gpipe.partition import cut_into_cells, unpack_layers
 from tf_gpipe.pipeline import Pipeline, check_settings
 
@@ -93,8 +93,9 @@ class PipelineModel(keras.Model):
             inputs are not differentiated.
         micro_batch_loops: build ``fit``'s step as loops over micro-batches, so the first
             step stops growing with M (docs/api.md): every schedule, any ``remat``; M >= 2,
-            dense inputs, no timeline. ``"auto"`` (the default) and ``True``: where they
-            apply, on every kind of device; ``False``: never. ``tick_loop=`` is its
+            dense inputs, no timeline. ``"auto"`` (the default): where they apply, on every
+            kind of device, ``evaluate`` and ``predict`` too; ``True``: also ``__call__``
+            under a user's tape (docs/api.md); ``False``: never. ``tick_loop=`` is its
             deprecated name.
         plan: a ``tf_gpipe.plan(...)`` result: sets ``num_stages``, ``balance``,
             ``num_micro_batches``, ``remat``, ``schedule``, ``virtual_stages`` and

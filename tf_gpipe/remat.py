@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, ordering, stage, stash, tf_compat
+from tf_gpipe import handles, keras_compat, ordering, stage, stash, tf_compat
 from tf_gpipe.cell import Cell
 from tf_gpipe.replay import Record, float_positions, mask_grad, tape_gradients
 
@@ -238,6 +238,11 @@ def rematerialized(
             full[i] = t
         x, m = tf.nest.pack_sequence_as((inputs, mask), full)
         record = forward(cell, x, m, training, remat=True, nonempty=nonempty, deferred=deferred, side=side)
+        # In a loop over micro-batches (``micro_batch_loop.forward``) TensorFlow builds this
+        # gradient in its backward loop, which may read what the forward loop's body holds
+        # but not capture a variable's handle itself (while_v2 refuses it): the replay
+        # reads the stage's variables through the handles this body captured.
+        inner = _captured_handles(cell)
         flat_out = tf.nest.flatten((record.outputs, record.out_mask))
         meta["structure"] = (record.outputs, record.out_mask)
         meta["out_pos"] = [i for i, t in enumerate(flat_out) if t is not None]
@@ -252,14 +257,15 @@ def rematerialized(
             for i, g in zip(meta["out_pos"], dys[: len(meta["out_pos"])]):
                 out_grads[i] = g
             loss_grads = dys[len(meta["out_pos"]) :] if n_losses else []
-            in_grads, var_grads = backward(
-                cell,
-                record,
-                out_grads[:n_outputs],
-                loss_grads,
-                training,
-                list(variables or []),
-            )
+            with handles.replaced(inner):
+                in_grads, var_grads = backward(
+                    cell,
+                    record,
+                    out_grads[:n_outputs],
+                    loss_grads,
+                    training,
+                    list(variables or []),
+                )
             in_flat = in_grads + [None] * (len(flat_in) - len(in_grads))
             return [in_flat[i] for i in tensor_pos], var_grads
 
@@ -272,6 +278,20 @@ def rematerialized(
         full[i] = t
     outputs, out_mask = tf.nest.pack_sequence_as(meta["structure"], full)
     return outputs, out_mask, list(result[n_pos:])
+
+
+def _captured_handles(cell: Cell) -> dict[int, tf.Tensor]:
+    """``{id(handle): the graph being built's capture of it}`` for every variable of ``cell``'s
+    layers; empty when executing eagerly."""
+    graph = tf.compat.v1.get_default_graph()
+    if tf.executing_eagerly() or not hasattr(graph, "capture"):
+        return {}
+    found = {}
+    for layer in cell.layers:
+        for v in layer.variables:
+            handle = keras_compat.backing_variable(v).handle
+            found[id(handle)] = graph.capture(handle)
+    return found
 
 
 def _for_variables(cell: Cell, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:

@@ -22,6 +22,10 @@ falls on every cell alike; the tables give medians. A child times
     then running the step once);
 * second: the second ``train_on_batch`` (a steady step, for scale).
 
+``--step=tape`` times a custom training step instead (``__call__`` under a
+``tf.GradientTape``, then ``optimizer.apply``, in one ``tf.function``); ``--embedding=false``
+feeds float inputs through a Dense in place of the token embedding.
+
 A configuration ``PipelineModel`` rejects (``"interleaved"`` needs M to be a multiple of K,
 so M=1 is not a configuration; ``--micro_batch_loops=true`` with GPipe needs
 ``remat="always"``) is reported with PipelineModel's own message and the table takes the
@@ -61,6 +65,19 @@ flags.DEFINE_integer("vocab", 512, "Vocabulary size.")
 flags.DEFINE_enum(
     "micro_batch_loops", "auto", ["auto", "true", "false"], "PipelineModel(micro_batch_loops=...)."
 )
+flags.DEFINE_enum(
+    "step",
+    "fit",
+    ["fit", "tape"],
+    "What the first step runs: train_on_batch, or a custom training step (__call__ under a "
+    "tf.GradientTape, then optimizer.apply, in one tf.function).",
+)
+flags.DEFINE_bool(
+    "embedding",
+    True,
+    "Token embedding (int inputs); false: float inputs of width --width through a Dense "
+    "(with no Embedding, a custom step's forward can be a loop: docs/api.md).",
+)
 flags.DEFINE_string("out", os.path.join(harness.OUT_DIR, "first_step.json"), "JSON of the run.")
 flags.DEFINE_bool("child", False, "Internal: one cell (M=0: keras.Sequential) in this process.")
 
@@ -82,7 +99,10 @@ def _layers():
             return x + self.table
 
     d = FLAGS.width
-    layers = [keras.Input((FLAGS.seq,), dtype="int32"), keras.layers.Embedding(FLAGS.vocab, d)]
+    if FLAGS.embedding:
+        layers = [keras.Input((FLAGS.seq,), dtype="int32"), keras.layers.Embedding(FLAGS.vocab, d)]
+    else:
+        layers = [keras.Input((FLAGS.seq, d)), keras.layers.Dense(d)]
     layers += [PositionEmbedding()]
     layers += [harness.transformer_block(d, HEADS) for _ in range(FLAGS.blocks)]
     return layers + [keras.layers.LayerNormalization(), keras.layers.Dense(FLAGS.vocab)]
@@ -119,7 +139,29 @@ def _data():
 
     rng = np.random.RandomState(0)
     x, y = (rng.randint(0, FLAGS.vocab, (FLAGS.batch, FLAGS.seq)).astype("int32") for _ in "xy")
+    if not FLAGS.embedding:
+        x = rng.randn(FLAGS.batch, FLAGS.seq, FLAGS.width).astype("float32")
     return x, y
+
+
+def _step(model):
+    """``train_on_batch``, or (``--step=tape``) a custom training step as a user writes one."""
+    if FLAGS.step == "fit":
+        return model.train_on_batch
+    import keras
+    import tensorflow as tf
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        model.optimizer.apply(tape.gradient(value, model.trainable_variables), model.trainable_variables)
+        return value
+
+    return step
 
 
 def run_child() -> None:
@@ -136,12 +178,13 @@ def run_child() -> None:
     except ValueError as e:  # a configuration PipelineModel rejects: report it, measure nothing
         return harness.emit({"invalid": str(e)})
     x, y = _data()
+    step = _step(model)
     cpu, start = time.process_time(), time.perf_counter()
-    model.train_on_batch(x, y)
+    step(x, y)
     first, cpu = time.perf_counter() - start, time.process_time() - cpu
     trace = traced[0]
     start = time.perf_counter()
-    model.train_on_batch(x, y)
+    step(x, y)
     second = time.perf_counter() - start
     harness.emit(dict(first_s=first, trace_s=trace, rest_s=first - trace, cpu_s=cpu, second_s=second))
 
