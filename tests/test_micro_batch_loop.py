@@ -312,17 +312,16 @@ def test_call_under_a_tape_is_one_loop_with_the_built_out_gradients(cpu_devices)
     # steady step is faster so, benchmarks/first_step/README.md).
     assert loops_built == {False: 0, "auto": 0, True: 2}
     assert_all_close(got[True], got[False], rtol=1e-5, atol=1e-6)
-    # Each stage's MatMuls (its forward, inlined in the loop) and its replay (a call in the
-    # gradient loop's body) on the stage's device, and nothing else of a stage's math
-    # differentiated elsewhere; stage 0 (Masking, Dropout) has no weights and no input
-    # gradient to replay for.
+    # Each stage's forward (inlined in the loop) and its replay (inlined in the gradient
+    # loop's body) on the stage's device, and nothing of a stage's math differentiated
+    # elsewhere; stage 0 (Masking, Dropout) has no weights and no input gradient to replay for.
     placed: dict = {}
     for node in (n for g in graphs for n in g.node):
         scope = re.search(r"stage(\d+)_forward/", node.name)
-        replay = "while_grad" in node.name and node.op == "StatefulPartitionedCall"
-        if scope and (replay or "MatMul" in node.op):
-            placed.setdefault((int(scope[1]), "replay" if replay else "matmul"), []).append(node.device)
-    assert sorted(placed) == [(1, "matmul"), (1, "replay"), (2, "matmul"), (2, "replay")], placed
+        if scope and "MatMul" in node.op:
+            kind = "replay" if "while_grad" in node.name else "forward"
+            placed.setdefault((int(scope[1]), kind), []).append(node.device)
+    assert sorted(placed) == [(1, "forward"), (1, "replay"), (2, "forward"), (2, "replay")], placed
     for (s, kind), found in placed.items():
         assert all(same_device(d, devices[s]) for d in found), (s, kind, found)
 

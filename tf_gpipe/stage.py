@@ -45,6 +45,11 @@ def inlined() -> contextlib.AbstractContextManager[None]:
     return _inline.scope()
 
 
+def is_inlined() -> bool:
+    """Whether this is traced inside ``inlined()``."""
+    return bool(_inline)
+
+
 def functions(cell: Cell) -> StageFunctions:
     """The stage functions of ``cell`` for its XLA choice, made on first use.
 
