@@ -126,8 +126,8 @@ def run_forward(
         if not training and loop_choice.forward_applies(cells, split, masks, sides):
             return micro_batch_loop.forward(cells, split, masks, sides, training)
         # Under a tape only when asked for (True, not "auto"): the first step stops growing
-        # with M, but TensorFlow's gradient of the loop makes a slower steady step
-        # (benchmarks/first_step/README.md).
+        # with M, but TensorFlow's gradient of the loop makes the steady step up to 1.12x
+        # slower at small M (benchmarks/first_step/README.md).
         tape_loop = loops is True and loop_choice.taped_applies(cells, split, masks, sides, rematerializes)
         if training and tape_loop:
             out = micro_batch_loop.forward(cells, split, masks, sides, training, True, deferred)

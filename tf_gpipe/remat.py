@@ -245,7 +245,7 @@ def rematerialized(
         # reads the stage's variables through the handles this body captured.
         inner = _captured_handles(cell)
         # In a loop the replay is inlined in the gradient loop's body, as the forward is in
-        # the loop's: a call per iteration made the steady step 1.2-1.3x slower
+        # the loop's: a call per iteration made the steady step 1.2-1.35x slower
         # (benchmarks/first_step/README.md).
         inline = stage.inlined if stage.is_inlined() else contextlib.nullcontext
         flat_out = tf.nest.flatten((record.outputs, record.out_mask))
