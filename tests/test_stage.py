@@ -315,11 +315,8 @@ class _NoXla(keras.layers.Layer):
         return x + 1.0
 
 
-def test_jit_compile_auto_follows_each_stage_device(cpu_devices, monkeypatch):
-    """``"auto"`` compiles a stage with XLA where it runs on a GPU (as Keras compiles a model
-    for the accelerator it runs on), never one placed on a CPU beside it; ``False`` none."""
-    from tf_gpipe.jit import choose_jit
-
+def _pretend_a_gpu(monkeypatch):
+    """A physical GPU listed besides the real devices (what ``choose_jit`` reads)."""
     real = tf.config.list_physical_devices
     gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
     monkeypatch.setattr(
@@ -328,6 +325,13 @@ def test_jit_compile_auto_follows_each_stage_device(cpu_devices, monkeypatch):
         lambda device_type=None: real(device_type) + ([gpu] if device_type in (None, "GPU") else []),
     )
 
+
+def test_jit_compile_auto_follows_each_stage_device(cpu_devices, monkeypatch):
+    """``"auto"`` compiles a stage with XLA where it runs on a GPU (as Keras compiles a model
+    for the accelerator it runs on), never one placed on a CPU beside it; ``False`` none."""
+    from tf_gpipe.jit import choose_jit
+
+    _pretend_a_gpu(monkeypatch)
     pm = tf_gpipe.PipelineModel(mlp_layers(), devices=cpu_devices[:2], num_micro_batches=2)
     pm.build((None, 8))
     pm.cells[0].device = "/job:localhost/replica:0/task:0/device:GPU:0"  # read, never run
@@ -348,13 +352,7 @@ def test_jit_compile_true_skips_a_stage_whose_layer_refuses_xla():
 def test_jit_compile_auto_compiles_where_keras_would(monkeypatch):
     """With a GPU visible, "auto" compiles every stage whose layers all allow XLA,
     silently skipping the others, as Keras' "auto" does for a model."""
-    real = tf.config.list_physical_devices
-    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
-
-    def with_gpu(device_type=None):
-        return real(device_type) + ([gpu] if device_type in (None, "GPU") else [])
-
-    monkeypatch.setattr(tf.config, "list_physical_devices", with_gpu)
+    _pretend_a_gpu(monkeypatch)
     pm = tf_gpipe.PipelineModel(mlp_layers(depth=1) + [_NoXla()], num_stages=2, num_micro_batches=2)
     pm.build((None, 8))
     for cell in pm.cells:  # where a GPU's stages would be (read, never run)

@@ -128,8 +128,11 @@ def run_forward(
         # Under a tape only when asked for (True, not "auto"): the first step stops growing
         # with M, but TensorFlow's gradient of the loop makes the steady step up to 1.12x
         # slower at small M (benchmarks/first_step/README.md).
-        tape_loop = loops is True and loop_choice.taped_applies(cells, split, masks, sides, rematerializes)
-        if training and tape_loop:
+        if (
+            training
+            and loops is True
+            and loop_choice.taped_applies(cells, split, masks, sides, rematerializes)
+        ):
             out = micro_batch_loop.forward(cells, split, masks, sides, training, True, deferred)
             if deferred is not None:
                 deferred.apply()
@@ -199,8 +202,7 @@ def run_schedule(
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
         micro_batch_loops: build the step as loops over micro-batches where they apply
-            (``tf_gpipe.micro_batch_loop``): True, False, or "auto" (where every stage is
-            on a CPU; ``loop_choice.chosen``).
+            (``tf_gpipe.micro_batch_loop``): True, False, or "auto" (``loop_choice.chosen``).
         targets: per micro-batch, what ``micro_loss`` reads besides the outputs.
 
     Returns:

@@ -171,7 +171,7 @@ class _Step:
                 y, y_mask, losses = remat.rematerialized(
                     cell, x, mask, self.training, self._nonempty(m, s), local, side=side
                 )
-                rec = remat.Record(inputs=x, mask=mask, outputs=y, out_mask=y_mask, losses=losses)
+                rec = remat.Record(inputs=x, mask=mask, outputs=y, out_mask=y_mask, losses=losses, side=side)
             else:
                 rec = remat.forward(
                     cell,

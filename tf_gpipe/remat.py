@@ -239,15 +239,15 @@ def rematerialized(
             full[i] = t
         x, m = tf.nest.pack_sequence_as((inputs, mask), full)
         record = forward(cell, x, m, training, remat=True, nonempty=nonempty, deferred=deferred, side=side)
-        # In a loop over micro-batches (``micro_batch_loop.forward``) TensorFlow builds this
-        # gradient in its backward loop, which may read what the forward loop's body holds
-        # but not capture a variable's handle itself (while_v2 refuses it): the replay
-        # reads the stage's variables through the handles this body captured.
-        inner = _captured_handles(cell)
-        # In a loop the replay is inlined in the gradient loop's body, as the forward is in
-        # the loop's: a call per iteration made the steady step 1.2-1.35x slower
-        # (benchmarks/first_step/README.md).
-        inline = stage.inlined if stage.is_inlined() else contextlib.nullcontext
+        # In a loop over micro-batches (``micro_batch_loop.forward``, whose stage calls are
+        # inlined) TensorFlow builds this gradient in its backward loop, which may read what
+        # the forward loop's body holds but not capture a variable's handle itself (while_v2
+        # refuses it): the replay reads the stage's variables through the handles this body
+        # captured. And it is inlined there, as the forward is in the loop: a call per
+        # iteration made the steady step 1.2-1.35x slower (benchmarks/first_step/README.md).
+        in_loop = stage.is_inlined()
+        inner = _captured_handles(cell) if in_loop else {}
+        inline = stage.inlined if in_loop else contextlib.nullcontext
         flat_out = tf.nest.flatten((record.outputs, record.out_mask))
         meta["structure"] = (record.outputs, record.out_mask)
         meta["out_pos"] = [i for i, t in enumerate(flat_out) if t is not None]
@@ -286,11 +286,9 @@ def rematerialized(
 
 
 def _captured_handles(cell: Cell) -> dict[int, tf.Tensor]:
-    """``{id(handle): the graph being built's capture of it}`` for every variable of ``cell``'s
-    layers; empty when executing eagerly."""
+    """``{id(handle): the function graph being built's capture of it}`` for every variable of
+    ``cell``'s layers."""
     graph = tf.compat.v1.get_default_graph()
-    if tf.executing_eagerly() or not hasattr(graph, "capture"):
-        return {}
     found = {}
     for layer in cell.layers:
         for v in layer.variables:

@@ -176,11 +176,11 @@ class StageFunctions:
 
     def _plain_forward(self) -> Any:
         """The forward function (not taped) callers in this scope use: inlined or not."""
-        return self._forward_inlined if bool(_inline) else self._forward
+        return self._forward_inlined if is_inlined() else self._forward
 
     def _plain_backward(self) -> Any:
         """The backward function (no timeline markers) callers in this scope use: inlined or not."""
-        return self._backward_inlined if bool(_inline) else self._backward
+        return self._backward_inlined if is_inlined() else self._backward
 
     def _defers(self, deferred: Any, training: Any) -> bool:
         """Whether a call defers BatchNormalization statistics: ``deferred`` (a
@@ -207,7 +207,7 @@ class StageFunctions:
         # its writes: the reads wait for the inputs, the outputs for the writes, so that the
         # next micro-batch's forward (chained to this one's outputs) reads what this one wrote.
         inputs_ready = [t for t in tf.nest.flatten((inputs, mask, side)) if isinstance(t, tf.Tensor)]
-        ordered = tf.control_dependencies(inputs_ready if bool(_inline) else [])
+        ordered = tf.control_dependencies(inputs_ready if is_inlined() else [])
         # A name scope of its own: a layer named like "_x" is no valid root scope in a new graph.
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_forward"), ordered:
             capture = local.capture(bns, nonempty) if bns else contextlib.nullcontext()
@@ -228,7 +228,7 @@ class StageFunctions:
                 if nonempty is not None:  # an empty micro-batch (e.g. NaN batch statistics) changes nothing
                     new = tf.where(nonempty, new, old)
                 writes.append(v.assign(new))
-            if bool(_inline) and writes:
+            if is_inlined() and writes:
                 with tf.control_dependencies(writes):
                     outputs = tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), outputs)
             recorded = local.sums() if bns else []
