@@ -1,11 +1,31 @@
 """Shared builders for the equivalence tests: the same layers, split and unsplit."""
 
+import os
+from pathlib import Path
+
 import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
 
 import tf_gpipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# On a GPU two programs that compute the same function (a loop and the built-out step; a
+# pipeline's per-stage XLA programs and keras.Sequential's one) fuse and order their float32
+# sums differently. Those last-bit differences are what a few Adam steps grow (m / sqrt(v)
+# where a gradient is near zero): comparisons of trained weights there allow 1e-4, not 1e-5.
+ON_GPU = bool(tf.config.list_logical_devices("GPU"))
+TRAINED_TOL = 1e-4 if ON_GPU else 1e-5
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's child process: this checkout first on its PYTHONPATH,
+    whatever the parent's PYTHONPATH holds after it (TensorFlow may live there), ``extra``."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return env
 
 
 def mlp_layers(seed=0, width=12, depth=5, out=3, dtype=None, extra=()):

@@ -4,7 +4,7 @@
 import keras
 import numpy as np
 import tensorflow as tf
-from helpers import assert_all_close, pair, partition_graphs
+from helpers import assert_all_close, child_env, pair, partition_graphs
 
 import tf_gpipe
 
@@ -85,12 +85,11 @@ def test_weight_gradients_are_summed_as_they_arrive():
     Fixed in e79170a (Sum weight gradients as each micro-batch's arrive (Grappler's AddN
     held M copies); regression test).
     """
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3")
+    # The probe reads the CPU allocator: a GPU, where there is one, is hidden from it.
+    env = child_env(TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     # Both models in one process: starting TensorFlow is most of the probe's cost.
     out = subprocess.run(
         [sys.executable, "-c", _MEMORY_PROBE],
@@ -349,8 +348,9 @@ def test_taped_recurrent_stage_trains_with_xla(cpu_devices):
         return [
             keras.Input((None,), dtype="int32"),
             keras.layers.Embedding(50, 8),
-            keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True)),
-            keras.layers.LSTM(8),
+            # use_cudnn=False: with cuDNN (on a GPU) Keras declares an LSTM unfit for XLA.
+            keras.layers.Bidirectional(keras.layers.LSTM(8, return_sequences=True, use_cudnn=False)),
+            keras.layers.LSTM(8, use_cudnn=False),
             keras.layers.Dense(1),
         ]
 

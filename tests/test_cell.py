@@ -1,7 +1,6 @@
 """tf_gpipe.cell: each stage's variables live on its device, and its ops run there during model.fit."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import record_slots, same_device
+from helpers import child_env, record_slots, same_device
 
 from tf_gpipe import PipelineModel
 
@@ -276,10 +275,7 @@ def _parse_sections(log: str):
 def fit_placement_log(tmp_path_factory):
     script = tmp_path_factory.mktemp("placement") / "fit_with_placement_log.py"
     script.write_text(_FIT_SCRIPT)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    )
+    env = child_env()
     env["TF_CPP_MIN_LOG_LEVEL"] = "0"
     proc = subprocess.run(
         [sys.executable, str(script)],

@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import child_env
 
 import tf_gpipe
 from tf_gpipe import cluster
@@ -39,8 +40,9 @@ class Client:
     """A client process whose output lines are read as they come (bounded waits only)."""
 
     def __init__(self, local: cluster.LocalCluster, *args: str):
-        env = dict(os.environ, TF_CONFIG=local.tf_config, TF_CPP_MIN_LOG_LEVEL="2")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        # The stages run on the workers' CPUs; the client's unsplit reference runs on a CPU
+        # too (a GPU's TF32 matmuls would differ from them by ~1e-3).
+        env = child_env(TF_CONFIG=local.tf_config, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
         self.proc = subprocess.Popen(
             [sys.executable, str(CLIENT), *args],
             cwd=ROOT,

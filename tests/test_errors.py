@@ -364,7 +364,7 @@ def test_numpy_input_accepted_like_sequential():
     x = np.arange(6, dtype="float32").reshape(2, 3)
     out = model(x)
     seq = keras.Sequential(layers)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(seq(x)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(seq(x)), rtol=1e-6, atol=1e-6)
 
 
 def test_layer_shared_across_stages_is_refused():

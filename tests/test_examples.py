@@ -6,13 +6,13 @@ start together: much of each is single-threaded Python (starting TensorFlow, tra
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import child_env
 
 from tf_gpipe.devices import default_devices  # where the script's stages go by default
 
@@ -21,8 +21,7 @@ SCRIPT = ROOT / "examples" / "train_classifier.py"
 
 
 def _start(args):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = child_env()
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), *args],

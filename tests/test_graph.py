@@ -61,10 +61,12 @@ def _by_name(model, grads):
 
 
 @pytest.mark.parametrize("K,M,remat", [(2, 2, "always"), (4, 3, "never"), (3, 4, "except_last")])
-def test_resnet_outputs_gradients_and_fit(K, M, remat):
+def test_resnet_outputs_gradients_and_fit(K, M, remat, cpu_devices):
     model = resnet_like()
     ref = _clone(model)
-    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=K, num_micro_batches=M, remat=remat)
+    pm = tf_gpipe.PipelineModel.from_model(
+        model, num_stages=K, num_micro_batches=M, remat=remat, devices=cpu_devices[:K]
+    )
     rng = np.random.RandomState(0)
     x, y = rng.rand(10, 8, 8, 3).astype("float32"), rng.randint(0, 3, 10)
     assert_all_close([ref(x)], [pm(x)])
@@ -207,6 +209,23 @@ def test_not_a_functional_model():
         tf_gpipe.PipelineModel.from_model(Sub(), num_stages=1)
 
 
+def test_source_model_serves_without_xla_once_split_over_devices(cpu_devices):
+    """Compiled with XLA (as Keras' "auto" is on a GPU), the source model's predict failed
+    once from_model had moved its variables to two devices: one XLA program reads every
+    variable on its own device; and the predict it had traced read the variables from_model
+    replaced. It now serves unsplit, without XLA, the pipeline's variables."""
+    model = resnet_like()
+    model.compile(jit_compile=True)
+    x = np.random.RandomState(0).rand(4, 8, 8, 3).astype("float32")
+    before = model.predict(x, verbose=0)
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=2, devices=cpu_devices[:2])
+    pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    pm.fit(x, np.arange(4) % 3, batch_size=4, verbose=0)
+    trained = pm.predict(x, verbose=0)
+    assert np.abs(trained - before).max() > 1e-3
+    assert_all_close([trained], [model.predict(x, verbose=0)])
+
+
 def test_from_model_balances_by_every_method():
     """A heavy head: every cost estimate isolates it; the result still equals the model."""
     keras.utils.set_random_seed(2)
@@ -214,7 +233,7 @@ def test_from_model_balances_by_every_method():
     h = inp
     for _ in range(5):
         h = keras.layers.Add()([h, keras.layers.Dense(16)(h)])
-    out = keras.layers.Dense(1024)(keras.layers.Dense(1024)(h))  # most params, bytes and time
+    out = keras.layers.Dense(2048)(keras.layers.Dense(2048)(h))  # most params, bytes and time
     model = keras.Model(inp, out)
     ref = _clone(model)
     x = np.random.RandomState(0).rand(6, 16).astype("float32")

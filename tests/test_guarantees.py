@@ -5,7 +5,6 @@ guarantee (the test then fails) while the rest of the suite still passed.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, data, pair, record_slots
+from helpers import assert_all_close, child_env, data, pair, record_slots
 
 import tf_gpipe
 from tf_gpipe import timeline
@@ -119,13 +118,10 @@ PROBES = {
 @pytest.fixture(scope="module")
 def peaks():
     """The probes' peak bytes: {name: [one per run]}."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # The BFC allocator keeps statistics on every CPU; TensorFlow's default CPU
     # allocator keeps none unless oneDNN is on, which depends on the host's CPU. The probes
     # read the CPU allocator: a GPU, where there is one, is hidden from them.
-    env = dict(
-        os.environ,
-        PYTHONPATH=root,
+    env = child_env(
         TF_CPP_MIN_LOG_LEVEL="3",
         TF_CPU_ALLOCATOR_USE_BFC="true",
         CUDA_VISIBLE_DEVICES="",

@@ -5,10 +5,11 @@ pytest process already has TensorFlow initialized by conftest.py).
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers import child_env
 
 from tf_gpipe.devices import default_devices  # where the script's stages go by default
 
@@ -17,8 +18,7 @@ SCRIPT = ROOT / "examples" / "fit_image_classifier.py"
 
 
 def test_short_fit_with_keras_callbacks(tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = child_env()
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # The default pipeline (4 logical CPUs, K=4, M=4) on the drawn shapes, which need
     # no optional package; 2 epochs of 10 steps.

@@ -12,7 +12,6 @@ single-threaded Python (starting TensorFlow, tracing).
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import child_env
 
 from tf_gpipe.devices import default_devices  # where the script's stages go by default
 
@@ -52,8 +52,9 @@ PLANNED += ["--verbose=0", "--plan_memory_budget=64MiB"]
 
 
 def _start(args, flags=TINY):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    # A resumed run must repeat the full run's losses to 1e-6: the CPU computes the same
+    # bits in every process, where a GPU's autotuned kernels may not.
+    env = child_env(CUDA_VISIBLE_DEVICES="")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), *flags, *args],

@@ -217,7 +217,9 @@ class PipelineModel(keras.Model):
         ``num_stages * virtual_stages`` runs; each tensor a later stage needs
         (a skip connection) is carried from stage to stage until used. The
         pipeline shares the model's layers and variables (moved to their stage
-        devices), so the original model keeps serving the trained weights unsplit.
+        devices), so the original model keeps serving the trained weights unsplit;
+        over more than one device it does so without XLA (``model.jit_compile`` is
+        set to False: one XLA program reads its variables on one device).
 
         Args:
             model: a functional ``keras.Model`` (or ``keras.Sequential``), built.
@@ -244,6 +246,14 @@ class PipelineModel(keras.Model):
         instance._source_model = cut.source
         instance.balance = list(cut.node_balance)  # where the model was cut, in nodes per cell
         instance.build_cells(cut.spec)
+        for source in {id(m): m for m in (model, cut.source)}.values():
+            # Functions Keras traced before read the variables the cells replaced.
+            source.train_function = source.test_function = source.predict_function = None
+            if len(set(instance.devices)) > 1:
+                # An XLA program reads every variable on its own device: over several
+                # devices the model serves unsplit without XLA (Keras' "auto" picks XLA on
+                # a GPU, and its predict would fail to reach the variables).
+                source.jit_compile = False
         return instance
 
     # ------------------------------------------------------------------ properties
