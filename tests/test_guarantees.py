@@ -30,8 +30,12 @@ _PROBE = """
 import json, sys
 import tf_gpipe
 probes = json.loads(sys.argv[1])
-tf_gpipe.configure_virtual_cpus(max(cfg["K"] for cfg in probes.values()))
 import keras, numpy as np, tensorflow as tf
+# A peak depends on what TensorFlow runs at once: with a many-core host's threads, as on
+# one (a loop whose iterations all ran at once held 59 MiB there, 31 here with 2 threads).
+tf.config.threading.set_inter_op_parallelism_threads(16)
+tf.config.threading.set_intra_op_parallelism_threads(16)
+tf_gpipe.configure_virtual_cpus(max(cfg["K"] for cfg in probes.values()))
 
 def layers(width, narrow, K, deep):
     if deep:  # a uniform stack: activations inside a stage are what remat drops

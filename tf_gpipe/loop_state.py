@@ -171,10 +171,12 @@ def write(arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) -> 
     return [a.write(m, v) for a, v in zip(arrays, values)]
 
 
-def run(state: dict, iterations: int, iteration: Callable[[tf.Tensor], None]) -> None:
+def run(
+    state: dict, iterations: int, iteration: Callable[[tf.Tensor], None], parallel: int | None = None
+) -> None:
     """Run ``iteration(i)`` for ``i`` in ``range(iterations)`` as a ``tf.while_loop`` whose loop
     variables are everything in ``state`` (lists of tensors and TensorArrays), updated
-    in place."""
+    in place; at most ``parallel`` iterations at once (default: all)."""
     keys = sorted(state, key=repr)
     lengths = [len(state[k]) for k in keys]
 
@@ -193,7 +195,7 @@ def run(state: dict, iterations: int, iteration: Callable[[tf.Tensor], None]) ->
         # Every iteration may run at once: each stage's actions are chained through its own
         # loop variables, so the iterations overlap as far as the stages' order allows.
         _, *values = tf.while_loop(
-            lambda i, *_: i < iterations, body, start, parallel_iterations=max(iterations, 1)
+            lambda i, *_: i < iterations, body, start, parallel_iterations=max(parallel or iterations, 1)
         )
     unpack(values)
 
@@ -336,6 +338,7 @@ def emitting(
     state: dict,
     iteration: Callable[[Counters, dict], dict],
     pack: bool = True,
+    parallel: int | None = None,
 ) -> tuple[Emitted, dict]:
     """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: ``m`` gives
     the micro-batch index on each of ``devices``; the iteration updates ``state`` (loop
@@ -343,7 +346,7 @@ def emitting(
     the emitted values' accumulator and the final state. ``pack``: pass the stage calls'
     variable handles through the loop packed (``tf_gpipe.handles``); a loop that a tape
     differentiates reads the variables through the handles themselves, which is what the
-    tape connects to the variables it watches."""
+    tape connects to the variables it watches. ``parallel``: as for ``run``."""
     keys = sorted(state, key=repr)
     specs = {k: [tf.type_spec_from_value(v) for v in state[k]] for k in keys}
 
@@ -369,5 +372,5 @@ def emitting(
             out.add(state, m, iteration(m, state))
         m.advance()
 
-    run(state, M, body)
+    run(state, M, body, parallel)
     return out, state

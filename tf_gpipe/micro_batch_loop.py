@@ -289,7 +289,11 @@ class _Step:
             return emit
 
         self.stashing = batch_loss is not None
-        first = loop_state.emitting(M, devices, self.tokens.initial("F"), forwards, pack=not self.taped)
+        # TensorFlow's gradient of a taped loop runs as many iterations at once as the loop
+        # may, and its replays carry no tokens: each stage could replay every micro-batch at
+        # once and hold all their activations. K at a time is what K devices overlap.
+        parallel = len(set(devices)) if self.taped else None
+        first = loop_state.emitting(M, devices, self.tokens.initial("F"), forwards, not self.taped, parallel)
         if batch_loss is None:  # forwards only
             return self._results([first], [], sums=False)
         # Between GPipe's two loops every stage holds every micro-batch's stash, the step's
