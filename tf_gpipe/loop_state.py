@@ -4,7 +4,7 @@
 loop variables are flat lists of tensors, so every structure a stage passes on (its
 outputs, masks, side inputs, losses, the state its forward read) travels as a ``Layout``:
 flattened without its Nones, with the specs its loop variables need, and unflattened in
-the next iteration. What a stage's backward needs of its forward waits in TensorArrays,
+the next iteration. What a stage's backward needs of its forward waits in TensorLists,
 one per dtype, an entry per tensor and micro-batch, freed once read::
 
     forward iteration m:   stage s ─► Layout.compress ─► Layout.hold(arrays, m, ...)
@@ -28,6 +28,9 @@ from tf_gpipe.cell import Cell
 from tf_gpipe.schedules import loop_waits
 
 __all__: list[str] = []
+
+
+_ANY_SHAPE = -1  # a TensorList's element shape: each entry its own
 
 
 def relaxed_spec(spec: tf.TensorSpec) -> tf.TensorSpec:
@@ -113,53 +116,61 @@ class Layout:
             return [list(row) for row in zip(*columns)]
         return [self.read(arrays, m) for m in range(size)]
 
-    # ------------------------------------------- held for a later loop: one array per dtype
+    # ------------------------------------------- held for a later loop: one list per dtype
     # What GPipe's loop of forwards keeps for its loop of backwards can be a hundred tensors
     # a stage (a taped stage's intermediates, ``tf_gpipe.stash``). An array per tensor is a
     # loop variable per tensor, and a loop variable costs a handful of ops per iteration in
-    # both loops; one array per dtype, of ``M x`` its tensors, costs one.
+    # both loops; one list per dtype, of ``M x`` its tensors, costs one. They are TensorLists
+    # written and read by the ops themselves: through ``tf.TensorArray`` each entry cost
+    # three ops and twice the Python (the index, its constant, the wrapper's scopes), most
+    # of what tracing these loops cost over the built-out step.
     def _groups(self) -> list[list[int]]:
         by_dtype: dict[tf.DType, list[int]] = {}
         for i, s in enumerate(self.specs):
             by_dtype.setdefault(s.dtype, []).append(i)
         return list(by_dtype.values())
 
-    def held_arrays(self, size: int) -> list[tf.TensorArray]:
-        """Empty arrays for ``size`` values of this layout (``hold``), one per dtype."""
+    def held_arrays(self, size: int) -> list[tf.Tensor]:
+        """Empty lists for ``size`` values of this layout (``hold``), one per dtype."""
         return [
-            tf.TensorArray(self.specs[g[0]].dtype, size=size * len(g), infer_shape=False)
+            tf.raw_ops.TensorListReserve(
+                element_shape=_ANY_SHAPE, num_elements=size * len(g), element_dtype=self.specs[g[0]].dtype
+            )
             for g in self._groups()
         ]
 
-    def hold(self, arrays: list[tf.TensorArray], m: Any, values: Sequence[tf.Tensor]) -> list[tf.TensorArray]:
+    def _slots(self, m: Any) -> list[list[tf.Tensor]]:
+        """Per dtype group, the list positions of entry ``m``'s values: one op for all."""
+        return [tf.unstack(m * len(g) + tf.range(len(g)), num=len(g)) for g in self._groups()]
+
+    def hold(self, arrays: list[tf.Tensor], m: Any, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """``arrays`` with the compressed value ``values`` held as entry ``m``."""
         held = []
-        for a, g in zip(arrays, self._groups()):
-            first = m * len(g)
-            for j, i in enumerate(g):
-                a = a.write(first + j, values[i])
+        for a, g, slots in zip(arrays, self._groups(), self._slots(m)):
+            for i, at in zip(g, slots):
+                a = tf.raw_ops.TensorListSetItem(input_handle=a, index=at, item=values[i])
             held.append(a)
         return held
 
-    def held(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
+    def held(self, arrays: list[tf.Tensor], m: Any) -> list[tf.Tensor]:
         """Entry ``m`` of ``hold``'s arrays, as the compressed value it held."""
         values: list[Any] = [None] * len(self.specs)
-        for a, g in zip(arrays, self._groups()):
-            first = m * len(g)
-            for j, i in enumerate(g):
-                values[i] = a.read(first + j)
+        for a, g, slots in zip(arrays, self._groups(), self._slots(m)):
+            for i, at in zip(g, slots):
+                values[i] = tf.raw_ops.TensorListGetItem(
+                    input_handle=a, index=at, element_shape=_ANY_SHAPE, element_dtype=self.specs[i].dtype
+                )
                 values[i].set_shape(self.specs[i].shape)  # what ``hold`` wrote there
         return values
 
-    def release(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.TensorArray]:
+    def release(self, arrays: list[tf.Tensor], m: Any) -> list[tf.Tensor]:
         """``hold``'s arrays with entry ``m`` freed: an empty tensor where it held rows."""
         released = []
-        for a, g in zip(arrays, self._groups()):
-            first = m * len(g)
+        for a, g, slots in zip(arrays, self._groups(), self._slots(m)):
             empty = tf.zeros([0], self.specs[g[0]].dtype)
-            for j, i in enumerate(g):
+            for i, at in zip(g, slots):
                 if self.specs[i].shape.rank:
-                    a = a.write(first + j, empty)
+                    a = tf.raw_ops.TensorListSetItem(input_handle=a, index=at, item=empty)
             released.append(a)
         return released
 

@@ -9,7 +9,7 @@ calls as one micro-batch needs, whatever M, each inlined (``stage.inlined``):
 * a schedule whose loss is per micro-batch (1F1B, interleaved, ZB-H1; any remat mode): one
   loop, ``F(m)@s0 ─► ... ─► F(m)@s_last ─► loss(m) ─► B(m)@s_last ─► ... ─► B(m)@s0``;
 * GPipe, whose loss sees the whole mini-batch: a loop of forwards, the loss, a loop of
-  backwards. What a backward needs of its forward waits in TensorArrays on the stage's
+  backwards. What a backward needs of its forward waits in TensorLists on the stage's
   device, freed once read: a re-materialized stage's inputs, mask, side inputs and the
   state it read, or what the gradient of a taped stage reads (``tf_gpipe.stash``).
 
