@@ -9,7 +9,10 @@ the same checks on logical CPUs, which tests the script, not the GPU.
     python benchmarks/gpu_check.py                  # everything
     python benchmarks/gpu_check.py --skip=suite     # the rest
 
-Checks, in this order:
+Checks, in this order (the suite first: it says most, and a lease may end mid-way):
+- ``suite``: the README's tests (``pytest -n`` with the cores there are), counts and
+  the names of any that failed; the whole ``-v`` log goes to ``$OUT/gpu_suite.log``
+  (``benchmarks/out/`` without ``$OUT``) as it runs, so a cut-off run keeps its names;
 - ``example``: ``examples/train_classifier.py`` for 2 epochs on the real devices, with its
   unsplit-export comparison (inside ``tf_gpipe.exact_float32()``);
 - ``xla``: a 4-stage ``PipelineModel`` compiled with ``jit_compile=True`` (XLA stage by
@@ -23,9 +26,7 @@ Checks, in this order:
   (XLA where Keras would use it); ok when M=32 takes at most 1.3x M=1 and 1.5x
   ``keras.Sequential``;
 - ``overlap``: ``benchmarks/overlap/overlap.py`` (K=2 on two logical CPUs against plain
-  Keras with the same micro-batches), short, with the GPU hidden: the host CPU's figures;
-- ``suite``: the README's tests (``pytest -n`` with the cores there are), counts and
-  the names of any that failed.
+  Keras with the same micro-batches), short, with the GPU hidden: the host CPU's figures.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ flags.DEFINE_integer("timeout", 900, "Seconds each check may take.")
 flags.DEFINE_list("first_step_schedules", ["gpipe", "1f1b"], "Schedules the first_step check times.")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKS = ("example", "xla", "logical4", "first_step", "overlap", "suite")
+CHECKS = ("suite", "example", "xla", "logical4", "first_step", "overlap")
 
 
 # ---------------------------------------------------------------------------- in a child process
@@ -211,23 +212,39 @@ def _logical4() -> dict:
 
 
 # ---------------------------------------------------------------------------- the parent
-def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str, float]:
+def _run(cmd: list[str], env: dict[str, str] | None = None, log: str = "") -> tuple[int, str, float]:
+    """Run ``cmd``: its exit status, output and seconds. ``log``: the output goes to that
+    file as it comes (and is read back from it), so a run cut off by the timeout keeps it."""
     start = time.perf_counter()
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    kwargs: dict = dict(cwd=ROOT, text=True, timeout=FLAGS.timeout, env=env)
+    out = ""
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=FLAGS.timeout, env=env)
-        return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
+        if log:
+            with open(log, "w") as f:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, **kwargs).returncode
+        else:
+            done = subprocess.run(cmd, capture_output=True, **kwargs)
+            rc, out = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
-        return 124, f"timed out after {FLAGS.timeout} s: {e}", time.perf_counter() - start
+        rc, out = 124, f"timed out after {FLAGS.timeout} s: {e}\n"
+    if log:
+        with open(log) as f:
+            out = f.read() + out
+    return rc, out, time.perf_counter() - start
 
 
 def _check(name: str) -> dict:
     if name == "suite":
         workers = str(max(2, min(14, (os.cpu_count() or 2) - 2)))
-        rc, out, s = _run([sys.executable, "-m", "pytest", "-q", "-rfE", "-n", workers, "tests"])
-        counts = re.findall(r"(\d+) (passed|failed|errors?)\b", out)
-        failed = [line for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        log = os.path.join(os.environ.get("OUT") or harness.OUT_DIR, "gpu_suite.log")
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        rc, out, s = _run([sys.executable, "-m", "pytest", "-v", "-rfE", "-n", workers, "tests"], log=log)
+        summary = [line for line in out.splitlines() if line.startswith("=") and " passed" in line]
+        counts = re.findall(r"(\d+) (passed|failed|errors?)\b", summary[-1] if summary else "")
+        # "[gw3] [ 40%] FAILED tests/...": each failure's name, as it happens.
+        failed = sorted(set(re.findall(r"\] (?:FAILED|ERROR) (\S+)", out)))
         result = " ".join(f"{n} {w}" for n, w in counts) or out[-300:]
         return {"ok": rc == 0, "result": "; ".join([result, *failed]), "seconds": s}
     if name == "example":
