@@ -155,10 +155,11 @@ class Layout:
     def held(self, arrays: list[tf.Tensor], m: Any) -> list[tf.Tensor]:
         """Entry ``m`` of ``hold``'s arrays, as the compressed value it held."""
         values: list[Any] = [None] * len(self.specs)
+        shape = tf.constant(_ANY_SHAPE)  # one for all the reads (a constant each is a node each)
         for a, g, slots in zip(arrays, self._groups(), self._slots(m)):
             for i, at in zip(g, slots):
                 values[i] = tf.raw_ops.TensorListGetItem(
-                    input_handle=a, index=at, element_shape=_ANY_SHAPE, element_dtype=self.specs[i].dtype
+                    input_handle=a, index=at, element_shape=shape, element_dtype=self.specs[i].dtype
                 )
                 values[i].set_shape(self.specs[i].shape)  # what ``hold`` wrote there
         return values
