@@ -224,6 +224,9 @@ def test_source_model_serves_without_xla_once_split_over_devices(cpu_devices):
     trained = pm.predict(x, verbose=0)
     assert np.abs(trained - before).max() > 1e-3
     assert_all_close([trained], [model.predict(x, verbose=0)])
+    with pytest.warns(UserWarning, match="jit_compile"):  # Keras: it proceeds without XLA
+        model.compile(jit_compile=True)
+    assert_all_close([trained], [model.predict(x, verbose=0)])
 
 
 def test_from_model_balances_by_every_method():

@@ -213,22 +213,20 @@ class PipelineModel(keras.Model):
         """Split a functional Keras model (residual/skip connections, several inputs or
         outputs) into consecutive stages.
 
-        The model's nodes are cut, in the order Keras runs them, into
-        ``num_stages * virtual_stages`` runs; each tensor a later stage needs
-        (a skip connection) is carried from stage to stage until used. The
-        pipeline shares the model's layers and variables (moved to their stage
-        devices), so the original model keeps serving the trained weights unsplit;
-        over more than one device it does so without XLA (``model.jit_compile`` is
-        set to False: one XLA program reads its variables on one device).
+        The model's nodes are cut, in the order Keras runs them, into ``num_stages *
+        virtual_stages`` runs; each tensor a later stage needs (a skip connection) is
+        carried from stage to stage until used. The pipeline shares the model's layers and
+        variables (moved to their stage devices): the model keeps serving the trained
+        weights unsplit, over several devices without XLA (docs/api.md).
 
         Args:
             model: a functional ``keras.Model`` (or ``keras.Sequential``), built.
             num_stages: K; default ``len(balance) // virtual_stages`` for a list
                 ``balance``, else 1.
-            balance: nodes per stage (each call of a layer in the graph, in the order
-                Keras runs them; the inputs do not count), a list; or ``"params"``, ``"time"`` or ``"memory"``
-                to cut where the largest stage's cost (``graph.node_costs``) is smallest;
-                default an even split by node count.
+            balance: nodes per stage (each call of a layer, in the order Keras runs them;
+                not the inputs), a list; or ``"params"``, ``"time"`` or ``"memory"`` to cut
+                where the largest stage's cost (``graph.node_costs``) is smallest; default an
+                even split by node count.
             virtual_stages: as in ``PipelineModel``.
             **kwargs: the other ``PipelineModel`` arguments.
 
@@ -250,9 +248,10 @@ class PipelineModel(keras.Model):
             # Functions Keras traced before read the variables the cells replaced.
             source.train_function = source.test_function = source.predict_function = None
             if len(set(instance.devices)) > 1:
-                # An XLA program reads every variable on its own device: over several
-                # devices the model serves unsplit without XLA (Keras' "auto" picks XLA on
-                # a GPU, and its predict would fail to reach the variables).
+                # One XLA program reads every variable on its own device: over several
+                # devices the model serves without XLA (which Keras' "auto" picks on a GPU),
+                # compiled again too (a model that does not support XLA compiles without).
+                source.supports_jit = False
                 source.jit_compile = False
         return instance
 
