@@ -21,7 +21,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import replay
+from tf_gpipe import handles, replay
 from tf_gpipe.cell import Cell
 
 __all__: list[str] = []
@@ -97,8 +97,8 @@ class GradientSums:
         for an empty micro-batch, once ``after`` (the previous addition's token) is ready;
         returns ``(token, sparse gradients)`` as ``add_in_body``."""
         self.variables(self.cell.trainable_variables)
-        with tf.device(self.cell.device):
-            token, rows = self._add(list(grads), nonempty, after)
+        with tf.device(self.cell.device):  # inside the loops: the handles as they packed them
+            token, rows = handles.call(self._add, list(grads), nonempty, after)
         return token, self.rows_in(rows)
 
     def _zero_body(self):

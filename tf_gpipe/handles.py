@@ -106,6 +106,17 @@ def collected() -> Iterator[list[tf.Tensor]]:
         _local.found = saved
 
 
+def fed(inputs: Sequence[Any]) -> list[Any]:
+    """A call's captured ``inputs`` as this scope passes them: each handle ``replaced`` names
+    in its place; while ``collected``, each handle added to the list."""
+    found = getattr(_local, "found", None)
+    if found is not None:
+        known = {id(h) for h in found}
+        found.extend(t for t in inputs if getattr(t, "dtype", None) == tf.resource and id(t) not in known)
+    table = _replacements()
+    return [table.get(id(t), t) for t in inputs]
+
+
 def call(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` (``fn`` a ``tf.function``), with the captured handles ``replaced`` names."""
     table = _replacements()
@@ -113,10 +124,7 @@ def call(fn: Any, *args: Any) -> Any:
     if (not table and found is None) or not hasattr(fn, "get_concrete_function"):
         return fn(*args)
     concrete = fn.get_concrete_function(*args)
-    if found is not None:
-        known = {id(h) for h in found}
-        found.extend(h for h in captured(concrete) if id(h) not in known)
+    inputs = fed(concrete.captured_inputs)
     if not table:
         return fn(*args)
-    inputs = [table.get(id(t), t) for t in concrete.captured_inputs]
     return tf_compat.call_with_captures(concrete, args, inputs)

@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, stage, tf_compat
+from tf_gpipe import handles, keras_compat, stage, tf_compat
 from tf_gpipe.cell import Cell, attach_mask
 
 __all__: list[str] = []
@@ -76,8 +76,8 @@ def forward(
     captured = list(concrete.captured_inputs)
     graph_inputs = list(concrete.graph.inputs)
     graph_outputs = list(first.graph.outputs)
-    with tf.device(cell.device):
-        produced = tf_compat.call_forward(first, flat_args + captured)
+    with tf.device(cell.device):  # the handles as the loop packed them (``tf_gpipe.handles``)
+        produced = tf_compat.call_forward(first, flat_args + handles.fed(captured))
     outputs, out_mask, losses, before, moments = concrete.function_type.pack_output(produced[:n])
     fns.collect_moments(deferred, training, moments)
     if out_mask is not None:
@@ -124,9 +124,9 @@ def forward(
         positions.append(at if t is not None else -1)
         at += t is not None
     # A variable's gradient is that of the handle the forward captured; a frozen one has none.
-    handles = {id(h): len(flat_args) + i for i, h in enumerate(captured)}
+    at_handle = {id(h): len(flat_args) + i for i, h in enumerate(captured)}
     variable_positions = [
-        handles.get(id(keras_compat.backing_variable(v).handle), -1) for v in cell.trainable_variables
+        at_handle.get(id(keras_compat.backing_variable(v).handle), -1) for v in cell.trainable_variables
     ]
     plan = Plan(
         backward=second,
@@ -165,7 +165,7 @@ def backward(
                 )
             g = tf.zeros(spec.shape, spec.dtype)
         grads_in.append(g)
-    feeds = [kept[x] if how == "kept" else x for how, x in plan.feeds]
+    feeds = handles.fed([kept[x] if how == "kept" else x for how, x in plan.feeds])
     with tf.device(cell.device):
         grads = tf_compat.call_backward(plan.backward, grads_in, feeds)
     in_grads = [None if p < 0 or not need_input_grads else grads[p] for p in plan.input_positions]
