@@ -73,12 +73,17 @@ def test_loop_gives_the_executors_results(case, monkeypatch):
 
 
 @functools.cache  # read, never changed: two tests share the M=6 loop graph
-def _step_graph(M, use_loop):
+def _step_graph(M, use_loop, remat="always"):
     keras.backend.clear_session()
     # On logical CPUs even where GPUs are visible: only there are the handles packed.
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     pm = tf_gpipe.PipelineModel(
-        mlp_layers(depth=3), num_stages=2, num_micro_batches=M, micro_batch_loops=use_loop, devices=cpus
+        mlp_layers(depth=3),
+        num_stages=2,
+        num_micro_batches=M,
+        micro_batch_loops=use_loop,
+        devices=cpus,
+        remat=remat,
     )
     pm.compile(optimizer="sgd", loss=LOSS)
     pm.build((None, 8))
@@ -233,11 +238,13 @@ def test_micro_batch_loops_survives_the_config_round_trip(value):
     assert tf_gpipe.PipelineModel.from_config(pm.get_config()).micro_batch_loops == value
 
 
-def test_loops_carry_one_handle_tensor_per_stage():
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_loops_carry_one_handle_tensor_per_stage(remat):
     """Each loop carries a stage's variable handles (weights, gradient sums, seed states)
     as one stacked tensor, not one loop variable per variable (tf_gpipe.handles): ~7 graph
-    nodes per loop variable once TensorFlow lowers the loop."""
-    graph_def = _step_graph(6, True)
+    nodes per loop variable once TensorFlow lowers the loop. A taped stage's calls
+    (``remat="never"``: its rewritten forward, its gradient half, its gradient sums) too."""
+    graph_def = _step_graph(6, True, remat)
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
     loops = [n for n in nodes if n.op in ("While", "StatelessWhile")]
     assert len(loops) == 2
