@@ -41,9 +41,13 @@ def _replacements() -> dict[int, tf.Tensor]:
     return _local.by_id
 
 
+def _resources(tensors: Sequence[Any]) -> list[tf.Tensor]:
+    return [t for t in tensors if getattr(t, "dtype", None) == tf.resource]
+
+
 def captured(concrete: Any) -> list[tf.Tensor]:
     """The resource handles a traced function (a ``ConcreteFunction``) captures."""
-    return [t for t in concrete.captured_inputs if t.dtype == tf.resource]
+    return _resources(concrete.captured_inputs)
 
 
 class Packed:
@@ -112,7 +116,7 @@ def fed(inputs: Sequence[Any]) -> list[Any]:
     found = getattr(_local, "found", None)
     if found is not None:
         known = {id(h) for h in found}
-        found.extend(t for t in inputs if getattr(t, "dtype", None) == tf.resource and id(t) not in known)
+        found.extend(h for h in _resources(inputs) if id(h) not in known)
     table = _replacements()
     return [table.get(id(t), t) for t in inputs]
 
