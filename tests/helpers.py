@@ -1,6 +1,8 @@
 """Shared builders for the equivalence tests: the same layers, split and unsplit."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import keras
@@ -26,6 +28,19 @@ def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, **extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return env
+
+
+def memory_probe(script: str, *args: str) -> str:
+    """The standard output of ``script`` run in a fresh Python, as a probe of the CPU
+    allocator needs it: logical CPUs set up before TensorFlow starts, the BFC allocator
+    (TensorFlow's default CPU allocator keeps statistics only where oneDNN is on, which
+    depends on the host's CPU), and any GPU hidden."""
+    env = child_env(TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def mlp_layers(seed=0, width=12, depth=5, out=3, dtype=None, extra=()):

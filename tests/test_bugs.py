@@ -4,7 +4,7 @@
 import keras
 import numpy as np
 import tensorflow as tf
-from helpers import assert_all_close, child_env, pair, partition_graphs
+from helpers import assert_all_close, memory_probe, pair, partition_graphs
 
 import tf_gpipe
 
@@ -85,23 +85,10 @@ def test_weight_gradients_are_summed_as_they_arrive():
     Fixed in e79170a (Sum weight gradients as each micro-batch's arrive (Grappler's AddN
     held M copies); regression test).
     """
-    import subprocess
-    import sys
-
-    # The probe reads the CPU allocator: a GPU, where there is one, is hidden from it.
-    env = child_env(TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
     # Both models in one process: starting TensorFlow is most of the probe's cost.
-    out = subprocess.run(
-        [sys.executable, "-c", _MEMORY_PROBE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = memory_probe(_MEMORY_PROBE)
     peaks = {
-        int(m): int(b)
-        for _, m, b in (line.split() for line in out.stdout.splitlines() if line.startswith("PEAK "))
+        int(m): int(b) for _, m, b in (line.split() for line in out.splitlines() if line.startswith("PEAK "))
     }
     weights = 8 * 512 * 512 * 4
     assert peaks[8] < peaks[1] + 1.5 * weights, peaks

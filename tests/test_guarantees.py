@@ -5,14 +5,12 @@ guarantee (the test then fails) while the rest of the suite still passed.
 """
 
 import json
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, child_env, data, pair, record_slots
+from helpers import assert_all_close, data, memory_probe, pair, record_slots
 
 import tf_gpipe
 from tf_gpipe import timeline
@@ -122,23 +120,7 @@ PROBES = {
 @pytest.fixture(scope="module")
 def peaks():
     """The probes' peak bytes: {name: [one per run]}."""
-    # The BFC allocator keeps statistics on every CPU; TensorFlow's default CPU
-    # allocator keeps none unless oneDNN is on, which depends on the host's CPU. The probes
-    # read the CPU allocator: a GPU, where there is one, is hidden from them.
-    env = child_env(
-        TF_CPP_MIN_LOG_LEVEL="3",
-        TF_CPU_ALLOCATOR_USE_BFC="true",
-        CUDA_VISIBLE_DEVICES="",
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(PROBES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.split("PEAKS")[-1])
+    return json.loads(memory_probe(_PROBE, json.dumps(PROBES)).split("PEAKS")[-1])
 
 
 def test_1f1b_peak_memory_is_flat_in_m_without_a_timeline(peaks):

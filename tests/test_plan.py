@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, child_env, data, mlp_layers, pair
+from helpers import assert_all_close, data, memory_probe, mlp_layers, pair
 
 import tf_gpipe
 from tf_gpipe import schedules
@@ -315,15 +315,7 @@ print("FREED " + json.dumps(found))
 
 @pytest.fixture(scope="module")
 def sum_zeros_freed():
-    import subprocess
-    import sys
-
-    env = child_env(TF_CPP_MIN_LOG_LEVEL="3", TF_CPU_ALLOCATOR_USE_BFC="true", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run(
-        [sys.executable, "-c", _SUM_ZEROS_PROBE], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.split("FREED ")[-1])
+    return json.loads(memory_probe(_SUM_ZEROS_PROBE).split("FREED ")[-1])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
