@@ -4,6 +4,7 @@ its schedule's order across micro-batches (schedules.loop_waits)."""
 
 import re
 import threading
+import time
 
 import keras
 import numpy as np
@@ -98,6 +99,13 @@ class _Logged(keras.layers.Layer):
     def call(self, x):
         def record(kind):
             def write(t):
+                if (kind, self.stage) == ("F", 1):
+                    # A slow stage 1, so that without the waits stage 0 runs ahead and
+                    # stage 1's forwards pile up: which op the executor picks is otherwise a
+                    # matter of load, and an unconstrained loop can happen to keep 1F1B's
+                    # order. (A sleep, not a wait on stage 0: a kernel that blocks also
+                    # holds the cheap ops queued behind it on its thread, the loop's own.)
+                    time.sleep(0.02)
                 with _LOCK:
                     self.append((kind, self.stage))
                 return t
@@ -124,7 +132,7 @@ _LOCK = threading.Lock()
 @pytest.mark.parametrize("with_waits", [True, False])
 def test_each_stage_holds_what_one_f_one_b_allows(with_waits, cpu_devices, monkeypatch):
     """Run, not read: with M=8 on two stages, no stage ever has more forwards done and not
-    yet backward than 1F1B allows (K - s); without the waits, stage 0's forwards run ahead
+    yet backward than 1F1B allows (K - s); without the waits, a stage's forwards run ahead
     (the check that the test can fail)."""
     if not with_waits:
         monkeypatch.setattr(loop_state.Tokens, "before", lambda *a: [])
@@ -148,7 +156,7 @@ def test_each_stage_holds_what_one_f_one_b_allows(with_waits, cpu_devices, monke
     if with_waits:
         assert worst[0] <= 2 and worst[1] <= 1, worst
     else:
-        assert worst[0] > 2, worst
+        assert worst[0] > 2 or worst[1] > 1, worst
 
 
 def test_evaluate_and_predict_loop_and_match_the_built_out_forward(monkeypatch):
