@@ -358,12 +358,15 @@ def test_layout_fills_arrays_entry_by_entry_and_empties_them_as_stacks_where_sha
 
 
 def test_layout_holds_values_for_a_later_loop_in_one_array_per_dtype():
-    """``Layout.hold``: M values of several tensors (two dtypes, uneven shapes, a scalar) in
-    one TensorArray per dtype; ``held`` gives each back with its static shape, ``release``
-    empties what it read (a scalar stays: it has no rows to free)."""
+    """``Layout.hold``: M values of several tensors (three dtypes, uneven shapes, scalars) in
+    one TensorArray per dtype; ``take`` gives each back with its static shape and empties
+    what it read (a scalar stays: it has no rows to free). Five float tensors, two int and
+    one bool: each way of finding an entry's list positions (``_slots``)."""
     M = 3
     values = [
         [tf.fill([m + 1, 2], float(m)), tf.range(m + 2), tf.fill([2], -float(m)), tf.constant(7 * m)]
+        + [tf.fill([m + 1], float(10 * m + k)) for k in range(3)]
+        + [tf.constant(m % 2 == 0)]
         for m in range(M)
     ]
     layout = loop_state.Layout(values[0], relax=True)
@@ -373,16 +376,16 @@ def test_layout_holds_values_for_a_later_loop_in_one_array_per_dtype():
         arrays = layout.held_arrays(M)
         for m in range(M):
             arrays = layout.hold(arrays, tf.constant(m), values[m])
-        back = [layout.held(arrays, tf.constant(m)) for m in range(M)]
+        back = [layout.take(arrays, tf.constant(m))[0] for m in range(M)]
         shapes.extend(t.shape.as_list() for t in back[0])
-        released = layout.release(arrays, tf.constant(1))
-        sizes = [tf.size(t) for t in layout.held(released, tf.constant(1))]
+        released = layout.take(arrays, tf.constant(1))[1]
+        sizes = [tf.size(t) for t in layout.take(released, tf.constant(1))[0]]
         return len(arrays), back, sizes
 
     shapes: list = []
     n_arrays, back, sizes = round_trip()
-    assert n_arrays == 2  # float32 and int32
+    assert n_arrays == 3  # float32, int32 and bool
     for want, got in zip(values, back):
         assert_all_close(want, got)
-    assert [int(s) for s in sizes] == [0, 0, 0, 1]
-    assert shapes == [[None, 2], [None], [None], []]  # the layout's specs, relaxed
+    assert [int(s) for s in sizes] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert shapes == [[None, 2], [None], [None], [], [None], [None], [None], []]  # relaxed specs

@@ -8,7 +8,7 @@ the next iteration. What a stage's backward needs of its forward waits in Tensor
 one per dtype, an entry per tensor and micro-batch, freed once read::
 
     forward iteration m:   stage s ─► Layout.compress ─► Layout.hold(arrays, m, ...)
-    backward iteration m:  Layout.held(arrays, m) ─► stage s ─► Layout.release(arrays, m)
+    backward iteration m:  Layout.take(arrays, m) ─► stage s
 
 ``emitting`` runs a loop whose iteration returns what leaves it (``Emitted``): its
 structure is read from one more trace of the body; ``Tokens`` carries each action's
@@ -31,6 +31,7 @@ __all__: list[str] = []
 
 
 _ANY_SHAPE = -1  # a TensorList's element shape: each entry its own
+_FEW = 4  # up to this many values of a dtype, one addition per list position (``_slots``)
 
 
 def relaxed_spec(spec: tf.TensorSpec) -> tf.TensorSpec:
@@ -140,8 +141,20 @@ class Layout:
         ]
 
     def _slots(self, m: Any) -> list[list[tf.Tensor]]:
-        """Per dtype group, the list positions of entry ``m``'s values: one op for all."""
-        return [tf.unstack(m * len(g) + tf.range(len(g)), num=len(g)) for g in self._groups()]
+        """Per dtype group, the list positions of entry ``m``'s values. Each op here runs in
+        every iteration: a group of a few gets one addition per position (none for one),
+        a larger one (a taped stage's ~100 intermediates) one op for all."""
+        slots = []
+        for g in self._groups():
+            n = len(g)
+            if n == 1:
+                slots.append([m])
+            elif n <= _FEW:
+                base = m * n
+                slots.append([base] + [base + i for i in range(1, n)])
+            else:
+                slots.append(tf.unstack(m * n + tf.range(n), num=n))
+        return slots
 
     def hold(self, arrays: list[tf.Tensor], m: Any, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """``arrays`` with the compressed value ``values`` held as entry ``m``."""
@@ -152,9 +165,11 @@ class Layout:
             held.append(a)
         return held
 
-    def held(self, arrays: list[tf.Tensor], m: Any) -> list[tf.Tensor]:
-        """Entry ``m`` of ``hold``'s arrays, as the compressed value it held."""
+    def take(self, arrays: list[tf.Tensor], m: Any) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+        """Entry ``m`` of ``hold``'s arrays, as the compressed value it held, and the arrays
+        with that entry freed (an empty tensor where it held rows)."""
         values: list[Any] = [None] * len(self.specs)
+        released = []
         shape = tf.constant(_ANY_SHAPE)  # one for all the reads (a constant each is a node each)
         for a, g, slots in zip(arrays, self._groups(), self._slots(m)):
             for i, at in zip(g, slots):
@@ -162,18 +177,12 @@ class Layout:
                     input_handle=a, index=at, element_shape=shape, element_dtype=self.specs[i].dtype
                 )
                 values[i].set_shape(self.specs[i].shape)  # what ``hold`` wrote there
-        return values
-
-    def release(self, arrays: list[tf.Tensor], m: Any) -> list[tf.Tensor]:
-        """``hold``'s arrays with entry ``m`` freed: an empty tensor where it held rows."""
-        released = []
-        for a, g, slots in zip(arrays, self._groups(), self._slots(m)):
             empty = tf.zeros([0], self.specs[g[0]].dtype)
             for i, at in zip(g, slots):
                 if self.specs[i].shape.rank:
                     a = tf.raw_ops.TensorListSetItem(input_handle=a, index=at, item=empty)
             released.append(a)
-        return released
+        return values, released
 
     def read(self, arrays: list[tf.TensorArray], m: Any) -> list[tf.Tensor]:
         return [tf.ensure_shape(a.read(m), s.shape) for a, s in zip(arrays, self.specs)]

@@ -312,9 +312,9 @@ class _Step:
                 with tf.device(cells[s].device):
                     held = state["stash", s]
                     at = m.on(cells[s].device)
-                    kept = stash[s].expand(stash[s].held(held, at))
-                    # Dropped after this backward, as the built-out step drops each record.
-                    state["stash", s] = stash[s].release(held, at)
+                    # Dropped as it is read, as the built-out step drops each record.
+                    kept, state["stash", s] = stash[s].take(held, at)
+                    kept = stash[s].expand(kept)
                 nonempty = self._nonempty(m, s)
                 if s in self.plans:
                     plan = self.plans[s]

@@ -12,9 +12,9 @@ A cell is (schedule, remat, M). Each variant is traced and run twice, then timed
 of ``--steps`` steps, the order rotating each round, after one round not kept; the table
 gives the median over the rounds of the mean step, and loops / built out.
 
-    PYTHONPATH=. python benchmarks/first_step/steady.py --step=fit \
+    PYTHONPATH=. python benchmarks/steady_step/steady.py --step=fit \
         --schedules=gpipe,1f1b --remat=always,never --micro_batches=8,32
-    PYTHONPATH=. python benchmarks/first_step/steady.py --step=tape --embedding=false \
+    PYTHONPATH=. python benchmarks/steady_step/steady.py --step=tape --embedding=false \
         --schedules=gpipe --remat=always --micro_batches=4,16
 """
 
@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "first_step"))
 import first_step  # its model, data, steps and flags (also puts harness on sys.path)
 import harness
 from absl import app, flags
