@@ -110,16 +110,17 @@ class GradientSums:
 
     def _add_body(self, grads, nonempty, after):
         with tf.control_dependencies([] if after is None else [after]):
-            return self.add_in_body([replay.mask_grad(g, nonempty) for g in grads])
+            return self.add_in_body(grads, nonempty)
 
-    def add_in_body(self, grads: list[Any]) -> tuple[tf.Tensor, list[Any]]:
-        """Add the dense gradients to their sums. Returns ``(token, rows)``: the token is
-        ready once every sum is added to; ``rows`` holds the IndexedSlices gradients (an
-        Embedding's rows) as ``(values, indices)`` pairs (``rows_in`` makes them
-        IndexedSlices again), which are returned, not summed: Keras' optimizers update a
+    def add_in_body(self, grads: list[Any], nonempty: Any = None) -> tuple[tf.Tensor, list[Any]]:
+        """Add the dense gradients to their sums, none of an empty micro-batch's
+        (``nonempty`` False). Returns ``(token, rows)``: the token is ready once every sum
+        is added to; ``rows`` holds the IndexedSlices gradients (an Embedding's rows) as
+        ``(values, indices)`` pairs (``rows_in`` makes them IndexedSlices again), zeroed for
+        an empty micro-batch, which are returned, not summed: Keras' optimizers update a
         weight differently given its gradient as rows than as a dense tensor, and the
         unsplit model gives them rows."""
-        ops: list[Any] = []
+        dense: list[tuple[Any, Any]] = []
         rows: list[tuple[Any, Any] | None] = []
         variables = self.cell.trainable_variables
         for v, total, g in zip(variables, self.variables(variables), grads):
@@ -127,13 +128,23 @@ class GradientSums:
                 self.graded.add(id(v))
             if isinstance(g, tf.IndexedSlices):
                 self.sparse.add(id(v))
+                g = replay.mask_grad(g, nonempty)
                 # Without dense_shape, which nobody reads (see the module docstring).
                 rows.append((g.values, g.indices))
                 continue
             rows.append(None)
             if g is not None:
-                ops.append(total.assign_add(g))
-        return _ready(ops), rows
+                dense.append((total, g))
+
+        def add():
+            return _ready([total.assign_add(g) for total, g in dense])
+
+        if nonempty is None or not dense:
+            return add(), rows
+        # Skipped, not masked: a select against zeros is two more passes over every
+        # gradient of every micro-batch, where only a padded one (a batch size unknown
+        # while tracing, as in fit) can be empty.
+        return tf.cond(nonempty, add, lambda: tf.constant(True)), rows
 
     def rows_in(self, rows: list[Any]) -> list[Any]:
         """``add_in_body``' rows as IndexedSlices of the shape of their variables."""

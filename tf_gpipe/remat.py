@@ -206,7 +206,7 @@ def backward(
             [flat_in[i] for i in float_pos],
             cell.trainable_variables if to_sums else variables,
             need_input_grads,
-            None if to_sums else record.nonempty,  # to_sums: masked inside add_to_sums
+            None if to_sums else record.nonempty,  # the sums skip an empty micro-batch's
         )
     if to_sums:
         return in_grads, stage.functions(cell).sums.add(var_grads, record.nonempty, after)

@@ -367,7 +367,7 @@ class StageFunctions:
                 replay_in,
                 cell.trainable_variables if need_weight_grads else [],
                 need_input_grads,
-                nonempty,
+                None if to_sums else nonempty,  # the sums skip an empty micro-batch's
                 gated=True,
             )
             if not to_sums:
@@ -375,7 +375,7 @@ class StageFunctions:
             # After the previous addition, in micro-batch order, whatever each gradient waits
             # for (a bias's needs only the output gradient): inlined, nothing else orders them.
             with tf.control_dependencies([] if after is None else [after]):
-                return in_grads, self.sums.add_in_body(var_grads)
+                return in_grads, self.sums.add_in_body(var_grads, nonempty)
 
 
 def runs_loops(cell: Cell) -> bool:
