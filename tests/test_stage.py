@@ -177,6 +177,35 @@ def test_every_stage_call_output_is_read_as_data(schedule):
     assert _unread_call_outputs(graph) == {}
 
 
+@pytest.mark.parametrize("in_body", [False, True])
+def test_gradient_sums_leave_out_an_empty_micro_batch(in_body):
+    """A padded micro-batch (no real example) adds nothing to the sums, even gradients
+    that are not finite (statistics of no rows): its additions are skipped, the others'
+    made; its rows (an Embedding's) come back zeroed."""
+    pm = tf_gpipe.PipelineModel(mlp_layers(), num_stages=2, num_micro_batches=2)
+    pm.build((None, 8))
+    sums = stage.functions(pm.cells[0]).sums
+    variables = pm.cells[0].trainable_variables
+
+    @tf.function(autograph=False)
+    def step():
+        token = sums.zero(inline=True)
+        for nonempty, fill in ((False, np.nan), (True, 1.0), (False, np.inf)):
+            grads = [tf.fill(v.shape, fill) for v in variables]
+            with tf.control_dependencies([token]):
+                if in_body:
+                    token, _ = sums.add_in_body(grads, tf.constant(nonempty))
+                else:
+                    token, _ = sums.add(grads, tf.constant(nonempty), token)
+        return sums.read(token, inline=True)
+
+    got = step()
+    assert_all_close([got[id(v)] for v in variables], [np.ones(v.shape) for v in variables])
+    rows = tf.IndexedSlices(tf.fill([2, 3], np.nan), tf.constant([0, 1]), tf.constant([5, 3]))
+    _, back = sums.add_in_body([rows] + [None] * (len(variables) - 1), tf.constant(False))
+    assert_all_close(back[0][0], np.zeros([2, 3]))
+
+
 def test_gradient_sums_are_not_weights_and_not_saved(tmp_path):
     """The variables that sum fit's gradients are the library's scratch space: not in
     ``weights``, not in the saved model, and a loaded model trains the same."""
