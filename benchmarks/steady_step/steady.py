@@ -14,6 +14,8 @@ gives the median over the rounds of the mean step, and loops / built out.
 
     PYTHONPATH=. python benchmarks/steady_step/steady.py --step=fit \
         --schedules=gpipe,1f1b --remat=always,never --micro_batches=8,32
+    PYTHONPATH=. python benchmarks/steady_step/steady.py --batch_known=false \
+        --schedules=1f1b --remat=always --micro_batches=32
     PYTHONPATH=. python benchmarks/steady_step/steady.py --step=tape --embedding=false \
         --schedules=gpipe --remat=always --micro_batches=4,16
 """
@@ -33,6 +35,12 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rounds", 7, "Timed rounds (the order of the variants rotates).")
 flags.DEFINE_integer("steps", 5, "Steps per variant and round.")
+flags.DEFINE_bool(
+    "batch_known",
+    True,
+    "False (--step=fit): the step traced with the batch dimension None, as fit on a dataset "
+    "traces it (tf.function(model.train_step)): shapes stay dynamic, micro-batches may be padded.",
+)
 FLAGS.set_default("micro_batches", ["8", "32"])
 FLAGS.set_default("schedules", ["gpipe", "1f1b"])
 
@@ -48,7 +56,7 @@ def _steps(schedule: str, remat: str, m: int, devices: list[str]) -> dict:
     run, steps, variants = loop_state.run, {}, _variants()
     for name in variants:
         FLAGS.micro_batch_loops = "false" if name == "built_out" else "true"
-        step = first_step._step(first_step._model(schedule, remat, m, devices))
+        step = _step(first_step._model(schedule, remat, m, devices), x, y)
         if name == "loops_all_at_once":  # the loop built while run() ignores its bound
             loop_state.run = lambda state, n, iteration, parallel=None: run(state, n, iteration)
         try:
@@ -68,6 +76,17 @@ def _steps(schedule: str, remat: str, m: int, devices: list[str]) -> dict:
             _wait(value)
             times[name].append((time.perf_counter() - start) / FLAGS.steps * 1000)
     return {n: statistics.median(t[1:]) for n, t in times.items()}
+
+
+def _step(model, x, y):
+    if FLAGS.batch_known or FLAGS.step != "fit":
+        return first_step._step(model)
+    import tensorflow as tf
+
+    model.optimizer.build(model.trainable_variables)
+    spec = tuple(tf.TensorSpec([None, *a.shape[1:]], tf.as_dtype(a.dtype)) for a in (x, y))
+    step = tf.function(model.train_step, input_signature=[spec])
+    return lambda x, y: step((x, y))["loss"]
 
 
 def _wait(value) -> None:
