@@ -367,8 +367,8 @@ def test_layout_fills_arrays_entry_by_entry_and_empties_them_as_stacks_where_sha
 def test_layout_holds_values_for_a_later_loop_in_one_array_per_dtype():
     """``Layout.hold``: M values of several tensors (three dtypes, uneven shapes, scalars) in
     one TensorArray per dtype; ``take`` gives each back with its static shape and empties
-    what it read (a scalar stays: it has no rows to free). Five float tensors, two int and
-    one bool: each way of finding an entry's list positions (``_slots``)."""
+    what it read (a scalar stays: it has no rows to free). A dtype of one value (the bool)
+    and of several: both ways of finding an entry's list positions (``_slots``)."""
     M = 3
     values = [
         [tf.fill([m + 1, 2], float(m)), tf.range(m + 2), tf.fill([2], -float(m)), tf.constant(7 * m)]

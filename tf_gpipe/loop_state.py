@@ -31,7 +31,6 @@ __all__: list[str] = []
 
 
 _ANY_SHAPE = -1  # a TensorList's element shape: each entry its own
-_FEW = 4  # up to this many values of a dtype, one addition per list position (``_slots``)
 
 
 def relaxed_spec(spec: tf.TensorSpec) -> tf.TensorSpec:
@@ -141,20 +140,12 @@ class Layout:
         ]
 
     def _slots(self, m: Any) -> list[list[tf.Tensor]]:
-        """Per dtype group, the list positions of entry ``m``'s values. Each op here runs in
-        every iteration: a group of a few gets one addition per position (none for one),
-        a larger one (a taped stage's ~100 intermediates) one op for all."""
-        slots = []
-        for g in self._groups():
-            n = len(g)
-            if n == 1:
-                slots.append([m])
-            elif n <= _FEW:
-                base = m * n
-                slots.append([base] + [base + i for i in range(1, n)])
-            else:
-                slots.append(tf.unstack(m * n + tf.range(n), num=n))
-        return slots
+        """Per dtype group, the list positions of entry ``m``'s values: one op for all (these
+        run in every iteration), none for a group of one."""
+        return [
+            [m] if len(g) == 1 else tf.unstack(m * len(g) + tf.range(len(g)), num=len(g))
+            for g in self._groups()
+        ]
 
     def hold(self, arrays: list[tf.Tensor], m: Any, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """``arrays`` with the compressed value ``values`` held as entry ``m``."""
