@@ -1,10 +1,11 @@
 """Turn a schedule (plain data) into ops: one training step, or a forward pass alone.
 
 ``run_schedule`` builds ``fit``'s step. Where the loops over micro-batches apply
-(``tf_gpipe.micro_batch_loop``: M >= 2, every schedule, dense inputs, no timeline; on CPUs
-by default), they build the step, and its graph does not grow with M. Elsewhere (one
-micro-batch, a timeline, eager steps, GPipe with a taped recurrent stage, GPU stages
-unless asked) every (stage, micro-batch) forward and backward is built out, in an order
+(``tf_gpipe.micro_batch_loop``: M >= 2, every schedule, dense inputs, no timeline, on
+every kind of device; ``tf_gpipe.loop_choice``), they build the step, and its graph does
+not grow with M. Elsewhere (one micro-batch, a timeline, eager steps, GPipe with a taped
+recurrent stage, ``micro_batch_loops=False``) every (stage, micro-batch) forward and
+backward is built out, in an order
 consistent with the schedule, and each device's actions are chained with control
 dependencies so the device runs them in the schedule's order: that is what bounds the
 stashed activations of 1F1B to K per device, where plain dataflow would run every forward
