@@ -366,9 +366,10 @@ def test_layout_fills_arrays_entry_by_entry_and_empties_them_as_stacks_where_sha
 
 def test_layout_holds_values_for_a_later_loop_in_one_array_per_dtype():
     """``Layout.hold``: M values of several tensors (three dtypes, uneven shapes, scalars) in
-    one TensorArray per dtype; ``take`` gives each back with its static shape and empties
-    what it read (a scalar stays: it has no rows to free). A dtype of one value (the bool)
-    and of several: both ways of finding an entry's list positions (``_slots``)."""
+    one TensorArray per dtype; ``take`` gives each back with its static shape and frees
+    it, in micro-batch order: each list keeps exactly the entries not yet taken, whatever
+    order they were held in. A dtype of one value (the bool) and of several: both ways of
+    finding an entry's list positions (``_slots``)."""
     M = 3
     values = [
         [tf.fill([m + 1, 2], float(m)), tf.range(m + 2), tf.fill([2], -float(m)), tf.constant(7 * m)]
@@ -381,18 +382,21 @@ def test_layout_holds_values_for_a_later_loop_in_one_array_per_dtype():
     @tf.function(autograph=False)
     def round_trip():
         arrays = layout.held_arrays(M)
+        for m in (2, 0, 1):
+            arrays = layout.hold(arrays, tf.constant(m), M, values[m])
+        back, lengths = [], []
         for m in range(M):
-            arrays = layout.hold(arrays, tf.constant(m), values[m])
-        back = [layout.take(arrays, tf.constant(m))[0] for m in range(M)]
+            got, arrays = layout.take(arrays, tf.constant(m), M)
+            back.append(got)
+            lengths.append([tf.raw_ops.TensorListLength(input_handle=a) for a in arrays])
         shapes.extend(t.shape.as_list() for t in back[0])
-        released = layout.take(arrays, tf.constant(1))[1]
-        sizes = [tf.size(t) for t in layout.take(released, tf.constant(1))[0]]
-        return len(arrays), back, sizes
+        return len(arrays), back, lengths
 
     shapes: list = []
-    n_arrays, back, sizes = round_trip()
+    n_arrays, back, lengths = round_trip()
     assert n_arrays == 3  # float32, int32 and bool
     for want, got in zip(values, back):
         assert_all_close(want, got)
-    assert [int(s) for s in sizes] == [0, 0, 0, 1, 0, 0, 0, 1]
+    # Entries left after each take, per list: 5 float32 tensors, 2 int32, 1 bool an entry.
+    assert [[int(n) for n in row] for row in lengths] == [[10, 4, 2], [5, 2, 1], [0, 0, 0]]
     assert shapes == [[None, 2], [None], [None], [], [None], [None], [None], []]  # relaxed specs

@@ -313,7 +313,7 @@ class _Step:
                     held = state["stash", s]
                     at = m.on(cells[s].device)
                     # Dropped as it is read, as the built-out step drops each record.
-                    kept, state["stash", s] = stash[s].take(held, at)
+                    kept, state["stash", s] = stash[s].take(held, at, M)
                     kept = stash[s].expand(kept)
                 nonempty = self._nonempty(m, s)
                 if s in self.plans:
