@@ -127,8 +127,8 @@ class Layout:
     #
     # Entry m sits at the list's end once the entries before it are taken (entry 0 last,
     # entry M - 1 first), so that taking it frees all of its tensors with one op that cuts
-    # the list short: emptying each tensor's slot was an op per tensor, ~12,800 a step of
-    # gpipe/never at K=4, M=32 (5-10% of its steady step).
+    # the list short: emptying each tensor's slot was an op per tensor, ~6,800 a step of
+    # gpipe/never at K=4, M=32 (benchmarks/steady_step/README.md).
     def _groups(self) -> list[list[int]]:
         by_dtype: dict[tf.DType, list[int]] = {}
         for i, s in enumerate(self.specs):
