@@ -144,15 +144,15 @@ class Layout:
             for g in self._groups()
         ]
 
-    def _slots(self, m: Any, size: int) -> list[tuple[Any, list[Any]]]:
-        """Per dtype group, where entry ``m`` of ``size`` starts in its list and the list
-        positions of its values: one op for all (these run in every iteration), the start
-        itself for a group of one."""
+    def _slots(self, m: Any, size: int) -> list[tuple[list[int], Any, list[Any]]]:
+        """Per dtype group: the group, where entry ``m`` of ``size`` starts in its list, and
+        the list positions of its values: one op for all (these run in every iteration),
+        the start itself for a group of one."""
         found = []
         for g in self._groups():
             start = (size - 1 - m) * len(g)
             found.append(
-                (start, [start] if len(g) == 1 else tf.unstack(start + tf.range(len(g)), num=len(g)))
+                (g, start, [start] if len(g) == 1 else tf.unstack(start + tf.range(len(g)), num=len(g)))
             )
         return found
 
@@ -161,7 +161,7 @@ class Layout:
     ) -> list[tf.Tensor]:
         """``arrays`` (``held_arrays(size)``) with the compressed value ``values`` held as entry ``m``."""
         held = []
-        for a, g, (_, slots) in zip(arrays, self._groups(), self._slots(m, size)):
+        for a, (g, _, slots) in zip(arrays, self._slots(m, size)):
             for i, at in zip(g, slots):
                 a = tf.raw_ops.TensorListSetItem(input_handle=a, index=at, item=values[i])
             held.append(a)
@@ -174,7 +174,7 @@ class Layout:
         values: list[Any] = [None] * len(self.specs)
         released = []
         shape = tf.constant(_ANY_SHAPE)  # one for all the reads (a constant each is a node each)
-        for a, g, (start, slots) in zip(arrays, self._groups(), self._slots(m, size)):
+        for a, (g, start, slots) in zip(arrays, self._slots(m, size)):
             for i, at in zip(g, slots):
                 values[i] = tf.raw_ops.TensorListGetItem(
                     input_handle=a, index=at, element_shape=shape, element_dtype=self.specs[i].dtype
