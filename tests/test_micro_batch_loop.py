@@ -2,6 +2,7 @@
 the built-out step's results, a graph that does not grow with M, and each device held to
 its schedule's order across micro-batches (schedules.loop_waits)."""
 
+import collections
 import re
 import threading
 import time
@@ -14,7 +15,7 @@ from helpers import TRAINED_TOL, assert_all_close, mlp_layers, partition_graphs,
 from test_loop import _token_data, _token_layers
 
 import tf_gpipe
-from tf_gpipe import loop_state, micro_batch_loop, schedules, stash
+from tf_gpipe import keras_compat, loop_state, micro_batch_loop, schedules, stash
 from tf_gpipe.schedules.loop_waits import Wait, waits
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -261,6 +262,84 @@ def test_gpipe_taped_stages_with_xla_loop_and_match_built_out(cpu_devices, monke
     assert calls
     assert_all_close(results[0][0], results[1][0])
     assert_all_close(results[0][1], results[1][1])
+
+
+def _stashes(monkeypatch):
+    """Every taped stage's ``(kept tensors, plan)`` as GPipe's loop of forwards makes them."""
+    found = []
+    original = stash.forward
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        found.append((result[4], result[5]))
+        return result
+
+    monkeypatch.setattr(stash, "forward", recording)
+    return found
+
+
+def test_gpipe_keeps_no_weight_or_constant_between_its_loops(cpu_devices, monkeypatch):
+    """What a taped stage's gradient reads of its weights (and constants) is the same for
+    every micro-batch: its backward reads the weights again instead of a list holding one
+    copy per micro-batch (a list write and read each); the step still matches built out."""
+    found = _stashes(monkeypatch)
+    keras.utils.set_random_seed(3)
+    x = np.random.RandomState(1).rand(11, 8).astype("float32")
+    y = np.arange(11) % 3
+    results = []
+    for loops in (True, False):
+        layers = mlp_layers(depth=2, extra=[keras.layers.LayerNormalization()])
+        pm = tf_gpipe.PipelineModel(
+            layers, num_stages=2, num_micro_batches=3, remat="never", micro_batch_loops=loops,
+            devices=cpu_devices[:2],
+        )  # fmt: skip
+        pm.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+        history = pm.fit(x, y, batch_size=11, epochs=2, shuffle=False, verbose=0).history["loss"]
+        results.append((history, pm.get_weights()))
+    assert found
+    feeds = collections.Counter(how for _, plan in found for how, _ in plan.feeds)
+    # Each Dense's kernel and bias and the LayerNorm's two scales, traced twice (the loop's
+    # probe and its body): none of them kept.
+    assert feeds["read"] >= 2 * 6, feeds
+    assert all(len(kept) == len({x for how, x in plan.feeds if how == "kept"}) for kept, plan in found)
+    assert_all_close(results[0][0], results[1][0])
+    assert_all_close(results[0][1], results[1][1])
+
+
+class _Shrinking(keras.layers.Layer):
+    """A Dense without bias that scales its (trainable) kernel after each call: the kernel
+    its gradient reads differs from one micro-batch to the next."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 6), initializer="glorot_uniform")
+
+    def call(self, x):
+        y = tf.matmul(x, self.kernel)
+        self.kernel.assign(self.kernel * 0.5)
+        return y
+
+
+def test_gpipe_keeps_a_weight_its_forward_writes(cpu_devices, monkeypatch):
+    """A weight that the forward writes is kept as each micro-batch read it, not read again
+    after the loop of forwards wrote it M times: the loops match the built-out step."""
+    found = _stashes(monkeypatch)
+    x = np.random.RandomState(2).rand(10, 8).astype("float32")
+    y = np.arange(10) % 3
+    grads, kernels = [], []
+    for loops in (True, False):
+        keras.utils.set_random_seed(5)
+        layers = [keras.layers.Dense(8, activation="tanh"), _Shrinking(), keras.layers.Dense(3)]
+        pm = tf_gpipe.PipelineModel(
+            layers, num_stages=2, num_micro_batches=3, remat="never", micro_batch_loops=loops,
+            devices=cpu_devices[:2],
+        )  # fmt: skip
+        pm.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+        pm.train_on_batch(x, y)
+        grads.append(pm.get_weights())
+        kernels.append(id(keras_compat.backing_variable(layers[1].kernel).handle))
+    assert_all_close(grads[0], grads[1])
+    reads = [x[0] for _, plan in found for how, x in plan.feeds if how == "read"]
+    assert found and reads and kernels[0] not in map(id, reads)
 
 
 def _masked_layers():
