@@ -342,6 +342,38 @@ def test_gpipe_keeps_a_weight_its_forward_writes(cpu_devices, monkeypatch):
     assert found and reads and kernels[0] not in map(id, reads)
 
 
+class _Mixing(keras.layers.Layer):
+    """Multiplies by a fixed 64 x 64 matrix (16 KiB) and by a scalar: constants the gradient reads."""
+
+    def call(self, x):
+        mixing = tf.constant(np.random.RandomState(0).rand(64, 64).astype("float32"))
+        return tf.matmul(x, mixing) * tf.constant(0.5)
+
+
+def test_gpipe_keeps_a_large_constant_its_gradient_reads(cpu_devices, monkeypatch):
+    """A small constant is made again in the backward; a large one stays kept, the forward's
+    own buffer, not copied into the step for as long as it lives."""
+    found = _stashes(monkeypatch)
+    x = np.random.RandomState(3).rand(10, 64).astype("float32")
+    y = np.arange(10) % 3
+    results = []
+    for loops in (True, False):
+        keras.utils.set_random_seed(6)
+        layers = [keras.layers.Dense(64), _Mixing(), keras.layers.Dense(3)]
+        pm = tf_gpipe.PipelineModel(
+            layers, num_stages=2, num_micro_batches=3, remat="never", micro_batch_loops=loops,
+            devices=cpu_devices[:2],
+        )  # fmt: skip
+        pm.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+        pm.train_on_batch(x, y)
+        results.append(pm.get_weights())
+    assert_all_close(results[0], results[1])
+    made = [np.size(x) for _, plan in found for how, x in plan.feeds if how == "constant"]
+    kept = [t.shape.as_list() for ts, _ in found for t in ts]
+    assert made and max(made) == 1, made  # the scalar
+    assert [64, 64] in kept, kept
+
+
 def _masked_layers():
     """A Keras mask (Masking), dropout, deferred BatchNormalization statistics and a loss a
     layer adds, and no Embedding (whose rows a loop's gradient would not keep)."""

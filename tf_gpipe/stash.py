@@ -151,6 +151,7 @@ def forward(
 # Ops that read a variable and write nothing: a weight only these touch in the forward
 # holds one value through the whole step (the optimizer writes it after every backward).
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "VariableShape"})
+_SMALL_CONSTANT_BYTES = 1024
 
 
 def _read_only_weights(
@@ -181,8 +182,11 @@ def _same_in_every_call(t: tf.Tensor, weights: dict[int, tuple[Any, tf.DType]]) 
     while t.op.type in ("IdentityN", "Identity"):
         t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
     if t.op.type == "Const":
+        # Made again in the backward, a constant is a second copy that the step holds as
+        # long as it lives, where a kept one is the forward's own buffer: only small ones.
         value = tf.get_static_value(t)
-        return None if value is None else ("constant", value)
+        small = value is not None and value.nbytes <= _SMALL_CONSTANT_BYTES
+        return ("constant", value) if small else None
     if t.op.type == "ReadVariableOp":
         source = weights.get(id(t.op.inputs[0]))
         if source is not None and source[1] == t.dtype:
