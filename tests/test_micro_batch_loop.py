@@ -319,27 +319,37 @@ class _Shrinking(keras.layers.Layer):
         return y
 
 
+def _one_step_loops_and_built_out(make_layers, x, y, devices):
+    """GPipe, ``remat="never"``, K=2, M=3: the weights after one SGD step, with the loops and
+    built out, and the first model's layers."""
+    weights, first = [], None
+    for loops in (True, False):
+        keras.utils.set_random_seed(5)
+        layers = make_layers()
+        first = first or layers
+        pm = tf_gpipe.PipelineModel(
+            layers, num_stages=2, num_micro_batches=3, remat="never", micro_batch_loops=loops,
+            devices=devices,
+        )  # fmt: skip
+        pm.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+        pm.train_on_batch(x, y)
+        weights.append(pm.get_weights())
+    return weights, first
+
+
 def test_gpipe_keeps_a_weight_its_forward_writes(cpu_devices, monkeypatch):
     """A weight that the forward writes is kept as each micro-batch read it, not read again
     after the loop of forwards wrote it M times: the loops match the built-out step."""
     found = _stashes(monkeypatch)
     x = np.random.RandomState(2).rand(10, 8).astype("float32")
-    y = np.arange(10) % 3
-    grads, kernels = [], []
-    for loops in (True, False):
-        keras.utils.set_random_seed(5)
-        layers = [keras.layers.Dense(8, activation="tanh"), _Shrinking(), keras.layers.Dense(3)]
-        pm = tf_gpipe.PipelineModel(
-            layers, num_stages=2, num_micro_batches=3, remat="never", micro_batch_loops=loops,
-            devices=cpu_devices[:2],
-        )  # fmt: skip
-        pm.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
-        pm.train_on_batch(x, y)
-        grads.append(pm.get_weights())
-        kernels.append(id(keras_compat.backing_variable(layers[1].kernel).handle))
-    assert_all_close(grads[0], grads[1])
+    (looped, built), layers = _one_step_loops_and_built_out(
+        lambda: [keras.layers.Dense(8, activation="tanh"), _Shrinking(), keras.layers.Dense(3)],
+        x, np.arange(10) % 3, cpu_devices[:2],
+    )  # fmt: skip
+    assert_all_close(looped, built)
+    kernel = keras_compat.backing_variable(layers[1].kernel).handle
     reads = [x[0] for _, plan in found for how, x in plan.feeds if how == "read"]
-    assert found and reads and kernels[0] not in map(id, reads)
+    assert found and reads and id(kernel) not in map(id, reads)
 
 
 class _Mixing(keras.layers.Layer):
@@ -355,19 +365,11 @@ def test_gpipe_keeps_a_large_constant_its_gradient_reads(cpu_devices, monkeypatc
     own buffer, not copied into the step for as long as it lives."""
     found = _stashes(monkeypatch)
     x = np.random.RandomState(3).rand(10, 64).astype("float32")
-    y = np.arange(10) % 3
-    results = []
-    for loops in (True, False):
-        keras.utils.set_random_seed(6)
-        layers = [keras.layers.Dense(64), _Mixing(), keras.layers.Dense(3)]
-        pm = tf_gpipe.PipelineModel(
-            layers, num_stages=2, num_micro_batches=3, remat="never", micro_batch_loops=loops,
-            devices=cpu_devices[:2],
-        )  # fmt: skip
-        pm.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
-        pm.train_on_batch(x, y)
-        results.append(pm.get_weights())
-    assert_all_close(results[0], results[1])
+    (looped, built), _ = _one_step_loops_and_built_out(
+        lambda: [keras.layers.Dense(64), _Mixing(), keras.layers.Dense(3)],
+        x, np.arange(10) % 3, cpu_devices[:2],
+    )  # fmt: skip
+    assert_all_close(looped, built)
     made = [np.size(x) for _, plan in found for how, x in plan.feeds if how == "constant"]
     kept = [t.shape.as_list() for ts, _ in found for t in ts]
     assert made and max(made) == 1, made  # the scalar
