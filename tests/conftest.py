@@ -81,7 +81,7 @@ def mixed_float16():
 @pytest.fixture
 def stage_traces(monkeypatch):
     """``stage_traces(model)``: per stage, how often its forward and backward bodies were
-    traced, and the ``(need_input_grads, need_weight_grads)`` of each backward traced
+    traced, and the ``(inputs, weights)`` of each backward's ``stage.Part`` traced
     (``"halves"``). Counted by wrapping the stage functions' Python bodies: the library
     keeps no counters of its own."""
     import functools
@@ -109,9 +109,8 @@ def stage_traces(monkeypatch):
         bound.apply_defaults()
         found = entry(self)
         found["backward"] += 1
-        found["halves"].add(
-            (bool(bound.arguments["need_input_grads"]), bool(bound.arguments["need_weight_grads"]))
-        )
+        part = bound.arguments["part"]
+        found["halves"].add((bool(part.inputs), bool(part.weights)))
         return backward_body(self, *args, **kwargs)
 
     monkeypatch.setattr(stage.StageFunctions, "_run_forward", counted_forward)

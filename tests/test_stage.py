@@ -14,6 +14,7 @@ from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
 from tf_gpipe import keras_compat, remat, stage
+from tf_gpipe.microbatch import MicroBatch
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -266,7 +267,7 @@ def test_stage_outputs_carry_their_keras_mask():
     )
     x = tf.constant([[3, 5, 0], [7, 0, 0]])
     pm(x)
-    record = remat.forward(pm.cells[0], x, None, True, remat=True)
+    record = remat.forward(pm.cells[0], MicroBatch(x, training=True), remat=True)
     mask = keras_compat.get_keras_mask(record.outputs)
     assert mask is not None and np.array_equal(mask.numpy(), x.numpy() != 0)
     assert np.array_equal(record.out_mask.numpy(), x.numpy() != 0)
@@ -497,7 +498,7 @@ def test_replay_waits_for_the_output_gradient():
 
     @tf.function
     def step(x):
-        record = remat.forward(cell, x, None, True, remat=True)
+        record = remat.forward(cell, MicroBatch(x, training=True), remat=True)
         dy = tf.py_function(slow_gradient, [record.outputs], tf.float32)
         dy.set_shape(record.outputs.shape)
         _, grads = remat.backward(cell, record, [dy], [], True, cell.trainable_variables)

@@ -33,15 +33,11 @@ import tensorflow as tf
 
 from tf_gpipe import loop_choice, micro_batch_loop, ordering, remat, replay, sparse, stage
 from tf_gpipe.cell import Cell
-from tf_gpipe.microbatch import Split
+from tf_gpipe.microbatch import MicroBatch, Split
 
 __all__: list[str] = []
 
-# Loss hooks the model supplies. Either the whole mini-batch loss once every forward
-# is done (fill-drain only), or a loss per micro-batch right after its last forward.
-# Both get the Keras masks of the outputs too: a loss over padded sequences needs them.
-BatchLossFn = micro_batch_loop.BatchLossFn
-MicroLossFn = micro_batch_loop.MicroLossFn
+StepLoss = micro_batch_loop.StepLoss
 
 
 def accumulate(total, g):
@@ -59,7 +55,7 @@ def accumulate(total, g):
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(g)
 
 
-def _whole_batch_grads(schedule: Any, batch_loss: BatchLossFn | None, outputs, out_masks):
+def _whole_batch_grads(schedule: Any, batch_loss: micro_batch_loop.BatchLossFn | None, outputs, out_masks):
     """The last stage's output gradients of every micro-batch, from the whole mini-batch's loss."""
     if batch_loss is None:
         raise ValueError(
@@ -149,22 +145,15 @@ def run_forward(
         cell = cells[s]
         with tf.name_scope(f"stage{s}_mb{m}"):
             if training and rematerializes(s):
-                acts[m], masks[m], extra = remat.rematerialized(
-                    cell, acts[m], masks[m], training, split.nonempty(m), deferred, side=sides[m]
-                )
+                mb = MicroBatch(acts[m], masks[m], sides[m], split.nonempty(m), training)
+                acts[m], masks[m], extra = remat.rematerialized(cell, mb, deferred)
             else:
                 # Training, an enclosing tape may differentiate the call: then the taped
                 # forward, whose gradient frees each activation once its layer's
                 # gradients are made (``tf_gpipe.gated``).
-                acts[m], masks[m], extra, _ = stage.functions(cell).forward(
-                    acts[m],
-                    masks[m],
-                    sides[m],
-                    split.nonempty(m),
-                    training,
-                    deferred,
-                    taped=bool(training),
-                )
+                mb = MicroBatch(acts[m], masks[m], sides[m], split.nonempty(m), training)
+                fns = stage.functions(cell)
+                acts[m], masks[m], extra, _ = fns.forward(mb, deferred, taped=bool(training))
         losses[m].extend(extra)
     if deferred is not None:
         deferred.apply()
@@ -178,13 +167,10 @@ def run_schedule(
     masks: list[Any],
     rematerializes: Callable[[int], bool],
     sides: list[Any] | None = None,
-    batch_loss: BatchLossFn | None = None,
-    micro_loss: MicroLossFn | None = None,
-    cell_loss_grads: Sequence[tf.Tensor] | None = None,
+    loss: StepLoss | None = None,
     tracer: Any = None,
     deferred: Any = None,
     micro_batch_loops: bool | str = False,
-    targets: Sequence[Any] | None = None,
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]], list[list[Any]]]:
     """Build one training step of ``schedule`` over ``cells``.
 
@@ -194,17 +180,12 @@ def run_schedule(
         split: the micro-batched inputs of stage 0; masks: their Keras masks.
         rematerializes: whether stage ``s`` is re-materialized.
         sides: per micro-batch, the side inputs every stage may read (or None).
-        batch_loss: given the last stage's outputs of every micro-batch and their
-            masks, the loss gradient for each (fill-drain schedules only).
-        micro_loss: given ``(outputs_m, mask_m, targets[m])``, the loss gradients for
-            micro-batch ``m`` and the terms (loss values) to sum over micro-batches.
-        cell_loss_grads: per micro-batch, d(loss)/d(each loss a layer added in it).
+        loss: how the loss reaches the stages (``StepLoss``).
         tracer: optional ``tf_gpipe.timeline.Recorder`` that marks each span.
         deferred: optional ``batchnorm.DeferredStats`` pooling BatchNormalization
             moments; the caller applies it once the step is built.
         micro_batch_loops: build the step as loops over micro-batches where they apply
             (``tf_gpipe.micro_batch_loop``): True, False, or "auto" (``loop_choice.chosen``).
-        targets: per micro-batch, what ``micro_loss`` reads besides the outputs.
 
     Returns:
         ``(outputs per micro-batch, their Keras masks (None where unmasked),
@@ -212,6 +193,7 @@ def run_schedule(
         the loss terms: per micro-batch, or summed over them as one row)``.
     """
     S, M = _sized(schedule, cells, split)
+    batch_loss, micro_loss, targets, layer_loss_grads = loss = loss or StepLoss()
     per_micro_batch = micro_loss is not None
     if (
         micro_batch_loops
@@ -221,8 +203,7 @@ def run_schedule(
         )
     ):
         # 2K (or 3K) stage call sites whatever M, not one per action.
-        loss = (targets, micro_loss, batch_loss, cell_loss_grads)
-        return micro_batch_loop.run(schedule, cells, split, masks, rematerializes, sides, *loss, deferred)
+        return micro_batch_loop.run(schedule, cells, split, masks, rematerializes, sides, loss, deferred)
     records: dict[tuple[int, int], replay.Record] = {}
     grads_in: dict[tuple[int, int], list[tf.Tensor | None]] = {}
     outputs: list[Any] = [None] * M
@@ -255,17 +236,9 @@ def run_schedule(
             with tf.name_scope(f"stage{s}_mb{m}"), tf.device(cell.device):
                 start = mark("start " + tag, d, last.get(d, []) + ordering.done(x))
                 x = ordering.after(start, x)
+                mb = MicroBatch(x, mask, None if sides is None else sides[m], split.nonempty(m), True)
                 rec = remat.forward(
-                    cell,
-                    x,
-                    mask,
-                    True,
-                    remat=rematerializes(s),
-                    nonempty=split.nonempty(m),
-                    deferred=deferred,
-                    side=None if sides is None else sides[m],
-                    persistent=halves,
-                    input_grads=s > 0,
+                    cell, mb, rematerializes(s), deferred, persistent=halves, input_grads=s > 0
                 )
             records[(s, m)] = rec
             cell_losses[m].extend(rec.losses)
@@ -286,9 +259,9 @@ def run_schedule(
                 dy = grads_in.pop((s, m))
                 loss_grads = []
                 if rec.losses:
-                    if cell_loss_grads is None:
-                        raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
-                    loss_grads = [cell_loss_grads[m]] * len(rec.losses)
+                    if layer_loss_grads is None:
+                        raise ValueError("tf_gpipe: layers added losses: StepLoss needs layer_loss_grads.")
+                    loss_grads = [layer_loss_grads[m]] * len(rec.losses)
             else:  # W: what its B received, kept until now
                 rec, dy, loss_grads = weights_due.pop((s, m))
             input_half = action.kind == "B"
@@ -307,6 +280,7 @@ def run_schedule(
                 start = mark("start " + tag, d, deps)
                 # Stage 0's input needs no gradient: its split B has nothing to compute.
                 if not (halves and input_half and s == 0):
+                    part = stage.Part(input_half and s > 0, weight_half, summed.get(s) if to_sums else None)
                     in_grads, result = remat.backward(
                         cell,
                         rec,
@@ -314,11 +288,8 @@ def run_schedule(
                         ordering.after(start, loss_grads),
                         True,
                         variables,
-                        need_input_grads=input_half and s > 0,
+                        part,
                         tracer=None if tracer is None else (tracer, d, tag),
-                        to_sums=to_sums,
-                        need_weight_grads=weight_half,
-                        after=summed.get(s) if to_sums else None,
                     )
                     if to_sums:
                         summed[s], grads = result

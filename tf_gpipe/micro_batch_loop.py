@@ -35,14 +35,14 @@ functions' traces are shared, so that costs the glue only.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from tf_gpipe import loop_state, ordering, remat, replay, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
-from tf_gpipe.microbatch import Split
+from tf_gpipe.microbatch import MicroBatch, Split
 from tf_gpipe.schedules import loop_waits
 
 __all__: list[str] = []
@@ -54,6 +54,27 @@ MicroLossFn = Callable[[Any, Any, Any], tuple[list[tf.Tensor | None], list[tf.Te
 BatchLossFn = Callable[[list[Any], list[Any]], list[list[tf.Tensor | None]]]
 
 
+class StepLoss(NamedTuple):
+    """How a training step's loss reaches its stages: either the whole mini-batch's loss once
+    every forward is done (fill-drain schedules only), or a loss per micro-batch right after
+    its last forward. Both get the Keras masks of the outputs: a loss over padded sequences
+    needs them.
+
+    Attributes:
+        batch_loss: given the last stage's outputs of every micro-batch and their masks,
+            the loss gradients of each.
+        micro_loss: given ``(outputs_m, mask_m, targets[m])``, the loss gradients for
+            micro-batch ``m`` and the terms (loss values) to sum over micro-batches.
+        targets: per micro-batch, what ``micro_loss`` reads besides the outputs.
+        layer_loss_grads: per micro-batch, d(loss)/d(each loss a layer added in it).
+    """
+
+    batch_loss: BatchLossFn | None = None
+    micro_loss: MicroLossFn | None = None
+    targets: Sequence[Any] | None = None
+    layer_loss_grads: Sequence[tf.Tensor] | None = None
+
+
 def run(
     schedule: Any,
     cells: Sequence[Cell],
@@ -61,16 +82,14 @@ def run(
     masks: Sequence[Any],
     rematerializes: Callable[[int], bool],
     sides: Sequence[Any] | None,
-    targets: Sequence[Any] | None,
-    micro_loss: MicroLossFn | None,
-    batch_loss: BatchLossFn | None,
-    cell_loss_grads: Sequence[tf.Tensor] | None,
+    loss: StepLoss,
     deferred: DeferredStats | None,
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]], list[list[Any]]]:
     """Build one step of ``schedule``; arguments and results as ``executor.run_schedule``'s.
-    With ``micro_loss`` one loop, the loss terms summed over the micro-batches (one row);
-    else GPipe's two loops around ``batch_loss``."""
-    targets = targets if micro_loss is not None else None  # GPipe's loss reads them itself
+    With ``loss.micro_loss`` one loop, the loss terms summed over the micro-batches (one
+    row); else GPipe's two loops around ``loss.batch_loss``."""
+    if loss.micro_loss is None:  # GPipe's loss reads the targets itself
+        loss = loss._replace(targets=None)
     with stage.inlined():
         halves = bool(getattr(schedule, "split_backward", False))
         return _Step(
@@ -81,10 +100,9 @@ def run(
             masks,
             rematerializes,
             sides,
-            targets,
-            cell_loss_grads,
+            loss,
             deferred,
-        ).run(micro_loss, batch_loss)
+        ).run(loss.micro_loss, loss.batch_loss)
 
 
 def forward(
@@ -104,7 +122,7 @@ def forward(
     second loop replaying each stage; ``deferred`` pools BatchNormalization moments."""
     waits = [loop_waits.Wait("F", s, "F", s, 1) for s in range(len(cells))]
     with stage.inlined():
-        step = _Step(waits, False, cells, split, masks, lambda s: True, sides, None, None, deferred, training)
+        step = _Step(waits, False, cells, split, masks, lambda s: True, sides, StepLoss(), deferred, training)
         step.taped = taped
         outputs, out_masks, _, cell_losses, _ = step.run(None, None)
     return outputs, out_masks, cell_losses
@@ -120,8 +138,7 @@ class _Step:
         masks,
         rematerializes,
         sides,
-        targets,
-        cell_loss_grads,
+        loss,
         deferred,
         training=True,
     ):
@@ -137,12 +154,13 @@ class _Step:
         self.relax = len(shapes) != 1 or any(None in shape for shape in next(iter(shapes)))
         M = self.M
         sides = list(sides) if sides is not None else [None] * M
-        targets = list(targets) if targets is not None else [None] * M
+        targets = list(loss.targets) if loss.targets is not None else [None] * M
         flags = [split.nonempty(m) for m in range(M)]
         self.nonempty_all = None
         if split.padded:
             self.nonempty_all = tf.stack([tf.constant(True) if f is None else f for f in flags])
-        self.loss_weights = None if cell_loss_grads is None else tf.stack(list(cell_loss_grads))
+        grads = loss.layer_loss_grads
+        self.loss_weights = None if grads is None else tf.stack(list(grads))
         chunks = [(split.chunks[m], masks[m], sides[m], targets[m]) for m in range(M)]
         self.data, self.arrays = self._stacked(chunks, cells[0].device, self.relax)
         self.input_specs: dict[int, Any] = {}
@@ -167,21 +185,16 @@ class _Step:
         with tf.device(cell.device), tf.name_scope(f"stage{s}_forward"):
             x = ordering.after(self.tokens.before(state, now, "F", s), x)
             local = DeferredStats() if self.deferred is not None else None
+            mb = MicroBatch(x, mask, side, self._nonempty(m, s), self.training)
             if self.taped:
-                y, y_mask, losses = remat.rematerialized(
-                    cell, x, mask, self.training, self._nonempty(m, s), local, side=side
-                )
+                y, y_mask, losses = remat.rematerialized(cell, mb, local)
                 rec = remat.Record(inputs=x, mask=mask, outputs=y, out_mask=y_mask, losses=losses, side=side)
             else:
                 rec = remat.forward(
                     cell,
-                    x,
-                    mask,
-                    self.training,
-                    remat=self.rematerializes(s),
-                    nonempty=self._nonempty(m, s),
-                    deferred=local,
-                    side=side,
+                    mb,
+                    self.rematerializes(s),
+                    local,
                     persistent=self.halves,
                     input_grads=s > 0,
                     halves=self.stashing,
@@ -201,7 +214,7 @@ class _Step:
         cell = self.cells[s]
         weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
         if n_losses and weight is None:
-            raise ValueError("tf_gpipe: layers added losses; run_schedule needs cell_loss_grads.")
+            raise ValueError("tf_gpipe: layers added losses: StepLoss needs layer_loss_grads.")
         loss_grads = [weight] * n_losses
         halves = self.halves
 
@@ -214,10 +227,7 @@ class _Step:
                 ordering.after(go, loss_grads),
                 True,
                 cell.trainable_variables if weight_grads else [],
-                need_input_grads=input_grads,
-                to_sums=weight_grads,
-                need_weight_grads=weight_grads,
-                after=state["sums", s][0] if weight_grads else None,
+                stage.Part(input_grads, weight_grads, state["sums", s][0] if weight_grads else None),
             )
 
         with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):

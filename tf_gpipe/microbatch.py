@@ -4,13 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from tf_gpipe import keras_compat
 
 __all__: list[str] = []
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch as a stage's forward and backward take it.
+
+    Attributes:
+        inputs: the stage's inputs (a nested structure of tensors).
+        mask: their Keras mask, or None.
+        side: the side inputs every stage may read (not differentiated), or None.
+        nonempty: a scalar bool tensor, False where the micro-batch holds no real example
+            (``Split.padded``); None where every micro-batch does.
+        training: Keras' ``training`` argument.
+    """
+
+    inputs: Any
+    mask: Any = None
+    side: dict | None = None
+    nonempty: Any = None
+    training: Any = None
 
 
 @dataclass

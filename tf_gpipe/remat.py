@@ -21,25 +21,23 @@ import tensorflow as tf
 
 from tf_gpipe import handles, keras_compat, ordering, stage, stash, tf_compat
 from tf_gpipe.cell import Cell
+from tf_gpipe.microbatch import MicroBatch
 from tf_gpipe.replay import Record, float_positions, mask_grad, tape_gradients
+from tf_gpipe.stage import FULL, Part
 
 __all__: list[str] = []
 
 
 def forward(
     cell: Cell,
-    inputs: Any,
-    mask: Any,
-    training: bool | None,
+    mb: MicroBatch,
     remat: bool,
-    nonempty=None,
     deferred=None,
-    side: dict | None = None,
     persistent: bool = False,
     input_grads: bool = True,
     halves: bool = False,
 ) -> Record:
-    """Run ``cell`` on one micro-batch on its device, applying its variable updates once.
+    """Run ``cell`` on micro-batch ``mb`` on its device, applying its variable updates once.
 
     The cell runs as its stage's forward function (``tf_gpipe.stage``), traced
     once. With ``remat`` the intermediate activations are dropped and the
@@ -52,10 +50,9 @@ def forward(
     """
     fns = stage.functions(cell)
     symbolic = persistent and not tf.executing_eagerly()
+    inputs, mask, side, nonempty, _ = mb
     if halves and not remat:
-        outputs, out_mask, losses, before, kept, plan = stash.forward(
-            cell, inputs, mask, side, nonempty, training, deferred, input_grads
-        )
+        outputs, out_mask, losses, before, kept, plan = stash.forward(cell, mb, deferred, input_grads)
         return Record(
             inputs=inputs, mask=mask, outputs=outputs, out_mask=out_mask, losses=losses, nonempty=nonempty,
             side=side, before=before, deferred=deferred is not None, kept=kept, plan=plan,
@@ -63,7 +60,7 @@ def forward(
     with tf.device(cell.device):
         tape = None
         if remat:
-            outputs, out_mask, losses, before = fns.forward(inputs, mask, side, nonempty, training, deferred)
+            outputs, out_mask, losses, before = fns.forward(mb, deferred)
         else:
             # A persistent tape makes TensorFlow differentiate the call through its
             # higher-order path: every intermediate of the forward becomes an output, and
@@ -74,7 +71,7 @@ def forward(
             with tape:
                 tape.watch(_float_tensors(inputs))
                 outputs, out_mask, losses, before = fns.forward(
-                    inputs, mask, side, nonempty, training, deferred, taped=True, input_grads=input_grads
+                    mb, deferred, taped=True, input_grads=input_grads
                 )
             if symbolic:
                 _first_order_twice(outputs, losses, before)
@@ -136,11 +133,8 @@ def backward(
     loss_grads: Sequence[tf.Tensor | None],
     training: bool | None,
     variables: Sequence[Any],
-    need_input_grads: bool = True,
+    part: Part = FULL,
     tracer: Any = None,
-    to_sums: bool = False,
-    need_weight_grads: bool = True,
-    after: Any = None,
 ) -> tuple[list[tf.Tensor | None], Any]:
     """Gradients of one (cell, micro-batch) w.r.t. its float inputs and ``variables``.
 
@@ -150,19 +144,21 @@ def backward(
     non-float inputs). A re-materialized cell runs its stage's backward function
     (replay and gradients in one function, traced once). ``tracer``, a
     ``(Recorder, device, tag)`` triple, marks the end of the recomputation on a
-    timeline. With ``to_sums`` (``fit``) the gradients of ``cell.trainable_variables``
-    are added to the stage's gradient sums (``tf_gpipe.gradient_sums``) and a token, ready
-    once they are, is returned in place of the variable grads; ``after`` is then the
-    token of the stage's previous addition (or of the sums' zeroing).
+    timeline. ``part`` (``stage.Part``) says which gradients: with ``part.sums_after``
+    (``fit``) the gradients of ``cell.trainable_variables`` are added to the stage's
+    gradient sums (``tf_gpipe.gradient_sums``) after that token, and a token, ready once
+    they are, is returned in place of the variable grads.
 
-    ``need_weight_grads=False`` gives the input grads only (variable grads ``[]``,
-    ``to_sums`` ignored): a split schedule's ``B``; its ``W`` passes
-    ``need_input_grads=False``. Re-materialized, each replays the cell; taped, each
-    differentiates the forward: with ``tf.gradients`` in a graph (``Record.split``),
-    on its persistent tape when eager.
+    ``Part(weights=False)`` gives the input grads only (variable grads ``[]``): a split
+    schedule's ``B``; its ``W`` is ``Part(inputs=False, ...)``. Re-materialized, each
+    replays the cell; taped, each differentiates the forward: with ``tf.gradients`` in a
+    graph (``Record.split``), on its persistent tape when eager.
     """
-    if not need_weight_grads:
-        variables, to_sums = [], False
+    part = part.normalized()
+    need_input_grads, after = part.inputs, part.sums_after
+    to_sums = after is not None
+    if not part.weights:
+        variables = []
 
     if record.plan is not None:
         assert record.kept is not None
@@ -173,25 +169,13 @@ def backward(
             return in_grads, stage.functions(cell).sums.add(var_grads, record.nonempty, after)
         return in_grads, _for_variables(cell, [mask_grad(g, record.nonempty) for g in var_grads], variables)
     if record.tape is None:
+        mb = MicroBatch(record.inputs, record.mask, record.side, record.nonempty, training)
         in_grads, cell_grads = stage.functions(cell).backward(
-            record.inputs,
-            record.mask,
-            record.side,
-            record.before,
-            list(output_grads),
-            list(loss_grads),
-            record.nonempty,
-            training,
-            record.deferred,
-            need_input_grads,
-            tracer,
-            to_sums,
-            need_weight_grads,
-            after,
+            mb, record.deferred, record.before, list(output_grads), list(loss_grads), part, tracer
         )
         if to_sums:
             return in_grads, cell_grads
-        if not need_weight_grads:
+        if not part.weights:
             return in_grads, []
         return in_grads, _for_variables(cell, cell_grads, variables)
     flat_in = tf.nest.flatten(record.inputs)
@@ -213,21 +197,14 @@ def backward(
     return in_grads, var_grads
 
 
-def rematerialized(
-    cell: Cell,
-    inputs: Any,
-    mask: Any,
-    training: bool | None,
-    nonempty=None,
-    deferred=None,
-    side: dict | None = None,
-) -> tuple[Any, Any, list[tf.Tensor]]:
-    """Forward one (cell, micro-batch) so that any enclosing tape re-materializes it.
+def rematerialized(cell: Cell, mb: MicroBatch, deferred=None) -> tuple[Any, Any, list[tf.Tensor]]:
+    """Forward ``cell`` on micro-batch ``mb`` so that any enclosing tape re-materializes it.
 
     Used where the caller differentiates through ``PipelineModel.__call__`` (a
     custom training loop, or a PipelineModel inside a bigger functional model).
     Returns ``(outputs, out_mask, losses)``.
     """
+    inputs, mask, side, nonempty, training = mb
     flat_in = tf.nest.flatten((inputs, mask))
     tensor_pos = [i for i, t in enumerate(flat_in) if t is not None]
     meta: dict = {}
@@ -238,7 +215,7 @@ def rematerialized(
         for i, t in zip(tensor_pos, tensors):
             full[i] = t
         x, m = tf.nest.pack_sequence_as((inputs, mask), full)
-        record = forward(cell, x, m, training, remat=True, nonempty=nonempty, deferred=deferred, side=side)
+        record = forward(cell, MicroBatch(x, m, side, nonempty, training), remat=True, deferred=deferred)
         # In a loop over micro-batches (``micro_batch_loop.forward``, whose stage calls are
         # inlined) TensorFlow builds this gradient in its backward loop, which may read what
         # the forward loop's body holds but not capture a variable's handle itself (while_v2

@@ -17,7 +17,7 @@ so it draws the same dropout masks and changes nothing.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -26,10 +26,35 @@ from tf_gpipe import gated, handles, keras_compat, replay, scoped
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, attach_mask
 from tf_gpipe.gradient_sums import GradientSums
+from tf_gpipe.microbatch import MicroBatch
 
 __all__: list[str] = []
 
 _inline = scoped.Flag()
+
+
+class Part(NamedTuple):
+    """What one backward of a stage computes: the gradients of its inputs, of its weights,
+    or both (a split schedule's ``B`` is ``Part(weights=False)``, its ``W``
+    ``Part(inputs=False, ...)``).
+
+    ``sums_after``: the token of the stage's previous addition to its gradient sums (or of
+    their zeroing). Given, the weight gradients are added to the sums after it
+    (``tf_gpipe.gradient_sums``), and a token ready once they are comes back in their
+    place; None, they are returned.
+    """
+
+    inputs: bool = True
+    weights: bool = True
+    sums_after: Any = None
+
+    def normalized(self) -> Part:
+        """Python bools (a trace's key), and no sums where no weight gradient is made."""
+        weights = bool(self.weights)
+        return Part(bool(self.inputs), weights, self.sums_after if weights else None)
+
+
+FULL = Part()  # both gradients, returned
 
 
 def inlined() -> contextlib.AbstractContextManager[None]:
@@ -124,17 +149,9 @@ class StageFunctions:
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self,
-        inputs: Any,
-        mask: Any,
-        side: dict | None,
-        nonempty: Any,
-        training: Any,
-        deferred: Any,
-        taped: bool = False,
-        input_grads: bool = True,
+        self, mb: MicroBatch, deferred: Any, taped: bool = False, input_grads: bool = True
     ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor]]:
-        """Run the stage on one micro-batch, applying its variable updates once.
+        """Run the stage on micro-batch ``mb``, applying its variable updates once.
 
         ``taped``: the caller differentiates this call with a tape (no re-materialization);
         it then runs as a function the runtime may inline (see ``__init__``), with a gated
@@ -148,25 +165,21 @@ class StageFunctions:
             if taped:
                 # With the variable handles it captured: a tape differentiates the call w.r.t.
                 # the variables it knows, which a loop's packed handles are not.
-                fn, args = self.taped_call(inputs, mask, side, nonempty, training, deferred, input_grads)
+                fn, args = self.taped_call(mb, deferred, input_grads)
                 result = fn(*args)
             else:
-                args = (inputs, mask, side, nonempty, training, self._defers(deferred, training))
-                result = handles.call(self._plain_forward(), *args)
+                result = handles.call(self._plain_forward(), mb, self._defers(deferred, mb.training))
             outputs, out_mask, losses, before, moments = result
-        self.collect_moments(deferred, training, moments)
+        self.collect_moments(deferred, mb.training, moments)
         if out_mask is not None:
             # A Keras mask does not leave a function on its tensor; a loss or a layer
             # reading the outputs expects it there, as after keras.Sequential's last layer.
             attach_mask(outputs, out_mask)
         return outputs, out_mask, list(losses), list(before)
 
-    def taped_call(
-        self, inputs: Any, mask: Any, side: Any, nonempty: Any, training: Any, deferred: Any, input_grads: Any
-    ) -> tuple[Any, tuple]:
-        """The taped forward function and its arguments for one micro-batch (see ``forward``)."""
-        defer = self._defers(deferred, training)
-        return self._forward_taped, (inputs, mask, side, nonempty, training, defer, bool(input_grads))
+    def taped_call(self, mb: MicroBatch, deferred: Any, input_grads: Any) -> tuple[Any, tuple]:
+        """The taped forward function and its arguments for micro-batch ``mb`` (see ``forward``)."""
+        return self._forward_taped, (mb, self._defers(deferred, mb.training), bool(input_grads))
 
     def collect_moments(self, deferred: Any, training: Any, moments: list[Any]) -> None:
         """Pool a forward's BatchNormalization moments into ``deferred``, where it defers them."""
@@ -191,15 +204,16 @@ class StageFunctions:
         """The BatchNormalization layers whose moments a deferring forward returns, in order."""
         return list(self._deferred_layers.get((training, True), []))
 
-    def _forward_body(self, inputs, mask, side, nonempty, training, defer):
-        return self._run_forward(inputs, mask, side, nonempty, training, defer, None)
+    def _forward_body(self, mb, defer):
+        return self._run_forward(mb, defer, None)
 
-    def _forward_taped_body(self, inputs, mask, side, nonempty, training, defer, input_grads):
-        return self._run_forward(inputs, mask, side, nonempty, training, defer, input_grads)
+    def _forward_taped_body(self, mb, defer, input_grads):
+        return self._run_forward(mb, defer, input_grads)
 
-    def _run_forward(self, inputs, mask, side, nonempty, training, defer, taped_inputs):
+    def _run_forward(self, mb, defer, taped_inputs):
         """``taped_inputs``: None for the forward a replay follows; True or False (whether
         the float inputs get gradients) for a taped one, whose gradient is gated."""
+        inputs, mask, side, nonempty, training = mb
         cell, key = self.cell, (training, defer)
         bns = cell.batch_norms if defer else []
         local = DeferredStats() if bns else None
@@ -248,80 +262,52 @@ class StageFunctions:
     # ------------------------------------------------------------------ backward
     def backward(
         self,
-        inputs: Any,
-        mask: Any,
-        side: dict | None,
+        mb: MicroBatch,
+        deferred: bool,
         before: list[tf.Tensor],
         output_grads: list[tf.Tensor | None],
         loss_grads: list[tf.Tensor | None],
-        nonempty: Any,
-        training: Any,
-        deferred: bool,
-        need_input_grads: bool = True,
+        part: Part = FULL,
         tracer: Any = None,
-        to_sums: bool = False,
-        need_weight_grads: bool = True,
-        after: Any = None,
     ) -> tuple[list[tf.Tensor | None], Any]:
-        """Replay the stage with the state its forward read, and differentiate the replay.
+        """Replay the stage on ``mb`` with the state its forward read (``before``: what its
+        writes overwrote; ``deferred``: whether that forward deferred its BatchNormalization
+        statistics), and differentiate the replay.
 
         Returns ``(input_grads, variable_grads)``: input grads follow
-        ``tf.nest.flatten(inputs)`` (None for non-float inputs), variable grads
-        follow ``cell.trainable_variables``. With ``to_sums`` the variable grads are
-        added to the gradient sums instead, and a token ready once they are is
-        returned in their place. ``tracer``, a ``(Recorder, device, tag)`` triple,
-        marks the end of the recomputation on a timeline.
+        ``tf.nest.flatten(mb.inputs)`` (None for non-float inputs), variable grads
+        follow ``cell.trainable_variables``; with ``part.sums_after`` they are added to the
+        gradient sums instead, and ``(token, rows)`` comes in their place. ``tracer``, a
+        ``(Recorder, device, tag)`` triple, marks the end of the recomputation on a timeline.
 
-        ``need_weight_grads=False`` computes the input grads only (a split schedule's
-        ``B``; ``to_sums`` is then ignored and the variable grads are ``[]``), and
-        ``need_input_grads=False`` the variable grads only (its ``W``). Each half
-        replays the forward on its own, so a split backward recomputes the stage's
-        forward twice, and the activation gradients that both halves need, once
-        per half: correct, simple, and more compute than one full backward.
-
-        ``after``: with ``to_sums``, the token of the stage's previous addition to its
-        sums (or of their zeroing), which this call waits for and reads as data.
+        ``part`` (``Part``) says which gradients: each half of a split backward replays the
+        forward on its own, so a split backward recomputes the stage's forward twice, and
+        the activation gradients that both halves need, once per half: correct, simple,
+        and more compute than one full backward.
         """
-        to_sums = bool(to_sums) and need_weight_grads
-        defer = self._defers(deferred, training)
-        marker, label, fn = None, None, self._plain_backward()
+        part = part.normalized()
+        defer = self._defers(deferred, mb.training)
+        marker, fn = None, self._plain_backward()
         if tracer is not None:
             recorder, device, tag = tracer
-            marker, label, fn = (recorder, device), tf.constant("replayed " + tag), self._backward_marked
-        if to_sums:  # made before the trace, which captures them (passing them costs more)
+            marker, fn = (recorder, device, tf.constant("replayed " + tag)), self._backward_marked
+        if part.sums_after is not None:  # made before the trace, which captures them (cheaper than passing)
             self.sums.variables(self.cell.trainable_variables)
-        args = (inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer)
-        tail = (need_input_grads, marker, label, to_sums, need_weight_grads, after if to_sums else None)
+        args = (mb, defer, list(before), list(output_grads), list(loss_grads), part, marker)
         with tf.device(self.cell.device):
-            in_grads, var_grads = handles.call(fn, *_backward_args(*args, *tail))
-        if to_sums:
+            in_grads, var_grads = handles.call(fn, *args)
+        if part.sums_after is not None:
             token, rows = var_grads
             return list(in_grads), (token, self.sums.rows_in(rows))
         return list(in_grads), list(var_grads)
 
-    def _backward_body(
-        self,
-        inputs,
-        mask,
-        side,
-        before,
-        output_grads,
-        loss_grads,
-        nonempty,
-        training,
-        defer,
-        need_input_grads,
-        marker,
-        label,
-        to_sums,
-        need_weight_grads=True,
-        after=None,
-    ):
+    def _backward_body(self, mb, defer, before, output_grads, loss_grads, part, marker):
+        inputs, mask, side, nonempty, training = mb
         cell = self.cell
         written = self._written[(training, defer)]
         flat_in = tf.nest.flatten(inputs)
         float_pos = replay.float_positions(flat_in)
-        arrived = [g for g in [*output_grads, *loss_grads, after] if g is not None]
+        arrived = [g for g in [*output_grads, *loss_grads, part.sums_after] if g is not None]
         with tf.device(cell.device), tf.name_scope(f"stage{cell.index}_replay"):
             # The recomputation waits for the incoming gradient: run earlier, it would
             # hold this cell's activations for the whole forward pass and save nothing.
@@ -352,7 +338,7 @@ class StageFunctions:
                     tape.watch(replay_in)
                 outputs, losses = replay.run(cell, record, training)
             if marker is not None:
-                recorder, device = marker
+                recorder, device, label = marker
                 done = [t for t in tf.nest.flatten(outputs) + list(losses) if t is not None]
                 mark = recorder.marker(label, device, done)
                 with tf.control_dependencies([mark]):
@@ -365,16 +351,16 @@ class StageFunctions:
                 flat_in,
                 float_pos,
                 replay_in,
-                cell.trainable_variables if need_weight_grads else [],
-                need_input_grads,
-                None if to_sums else nonempty,  # the sums skip an empty micro-batch's
+                cell.trainable_variables if part.weights else [],
+                part.inputs,
+                nonempty if part.sums_after is None else None,  # the sums skip an empty micro-batch's
                 gated=True,
             )
-            if not to_sums:
+            if part.sums_after is None:
                 return in_grads, var_grads
             # After the previous addition, in micro-batch order, whatever each gradient waits
             # for (a bias's needs only the output gradient): inlined, nothing else orders them.
-            with tf.control_dependencies([] if after is None else [after]):
+            with tf.control_dependencies([part.sums_after]):
                 return in_grads, self.sums.add_in_body(var_grads, nonempty)
 
 
@@ -386,14 +372,3 @@ def runs_loops(cell: Cell) -> bool:
         for layer in cell.layers
         for sub in keras_compat.nested_layers(layer)
     )
-
-
-def _backward_args(
-    inputs, mask, side, before, output_grads, loss_grads, nonempty, training, defer,
-    need_input_grads, marker, label, to_sums, need_weight_grads, after,
-) -> tuple:  # fmt: skip
-    """The backward function's arguments, in its order, as ``backward`` normalizes them."""
-    return (
-        inputs, mask, side, list(before), list(output_grads), list(loss_grads), nonempty, training,
-        defer, need_input_grads, marker, label, bool(to_sums), bool(need_weight_grads), after,
-    )  # fmt: skip

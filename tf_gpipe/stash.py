@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tf_gpipe import handles, keras_compat, stage, tf_compat
 from tf_gpipe.cell import Cell, attach_mask
+from tf_gpipe.microbatch import MicroBatch
 
 __all__: list[str] = []
 
@@ -58,22 +59,15 @@ class Plan:
 
 
 def forward(
-    cell: Cell,
-    inputs: Any,
-    mask: Any,
-    side: dict | None,
-    nonempty: Any,
-    training: Any,
-    deferred: Any,
-    input_grads: bool,
+    cell: Cell, mb: MicroBatch, deferred: Any, input_grads: bool
 ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], Plan]:
-    """The stage's taped forward on one micro-batch, as its forward half.
+    """The stage's taped forward on micro-batch ``mb``, as its forward half.
 
     Returns ``(outputs, out_mask, losses, before, kept, plan)``: ``kept`` is what the
     backward half (``backward``, with ``plan``) reads, to keep until then.
     """
     fns = stage.functions(cell)
-    fn, args = fns.taped_call(inputs, mask, side, nonempty, training, deferred, input_grads)
+    fn, args = fns.taped_call(mb, deferred, input_grads)
     concrete = fn.get_concrete_function(*args)
     first, second, n = tf_compat.forward_backward(concrete)
     flat_args = tf_compat.flat_arguments(concrete, args)
@@ -83,7 +77,7 @@ def forward(
     with tf.device(cell.device):  # the handles as the loop packed them (``tf_gpipe.handles``)
         produced = tf_compat.call_forward(first, flat_args + handles.fed(captured))
     outputs, out_mask, losses, before, moments = concrete.function_type.pack_output(produced[:n])
-    fns.collect_moments(deferred, training, moments)
+    fns.collect_moments(deferred, mb.training, moments)
     if out_mask is not None:
         attach_mask(outputs, out_mask)
 
@@ -126,7 +120,7 @@ def forward(
                 if part != "mask":
                     slots[position] = (part, i)
                 position += 1
-    flat_in = tf.nest.flatten(inputs)
+    flat_in = tf.nest.flatten(mb.inputs)
     positions, at = [], 0
     for t in flat_in:
         positions.append(at if t is not None else -1)

@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import keras_compat, microbatch, ordering, schedules, structure, update
-from tf_gpipe.executor import accumulate, run_schedule
+from tf_gpipe.executor import StepLoss, accumulate, run_schedule
 
 __all__: list[str] = []
 
@@ -160,14 +160,16 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         [None] * len(xs),
         model.pipeline.rematerializes,
         sides=[c[3] for c in joint.chunks],
-        batch_loss=batch_loss if not exact else None,
-        micro_loss=micro_loss if exact else None,
-        cell_loss_grads=[unit * share for share in weights],
+        loss=StepLoss(
+            batch_loss=batch_loss if not exact else None,
+            micro_loss=micro_loss if exact else None,
+            targets=targets,
+            layer_loss_grads=[unit * share for share in weights],
+        ),
         tracer=model.tracer,
         deferred=deferred,
         # An override's gradients w.r.t. the weights are summed beside the loops (``direct``).
         micro_batch_loops=False if custom else getattr(model, "micro_batch_loops", False),
-        targets=targets,
     )
     state["loss"] += [row[0] for row in terms]
     state["valid"] += [row[1] for row in terms if row[1] is not None]
