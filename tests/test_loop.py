@@ -73,7 +73,7 @@ def test_loop_gives_the_executors_results(case, monkeypatch):
 
 
 @functools.cache  # read, never changed: two tests share the M=6 loop graph
-def _step_graph(M, use_loop, remat="always"):
+def _step_graph(M, use_loop, remat="always", batch=None):
     keras.backend.clear_session()
     # On logical CPUs even where GPUs are visible: only there are the handles packed.
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
@@ -89,7 +89,7 @@ def _step_graph(M, use_loop, remat="always"):
     pm.build((None, 8))
     pm.optimizer.build(pm.trainable_variables)
     step = tf.function(pm.train_step)
-    spec = (tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([None], tf.int64))
+    spec = (tf.TensorSpec([batch, 8], tf.float32), tf.TensorSpec([batch], tf.int64))
     return step.get_concrete_function(spec).graph.as_graph_def()
 
 
@@ -287,6 +287,13 @@ def test_the_iterations_may_overlap():
     assert [n.attr["parallel_iterations"].i for n in loops] == [6, 6]
 
 
+# A backward body's arguments as its function names them: a nested argument's tensors are
+# named after it, the first plainly, the rest numbered. The stage's inputs are the first
+# tensor of its ``MicroBatch`` (``mb``); the token the sums are added after is the only
+# tensor of its ``stage.Part`` (``part``).
+_INPUTS, _AFTER = "mb", "part"
+
+
 def test_the_sums_are_added_in_micro_batch_order():
     """Inlined in the loops, a stage's backward body no longer waits for all of its call's
     inputs: each addition to the gradient sums waits for the previous one's token itself
@@ -294,21 +301,26 @@ def test_the_sums_are_added_in_micro_batch_order():
     the sums are added micro-batch after micro-batch, read only after the last, and equal
     the built-out step's bit for bit."""
     checked = 0
-    library = {f.signature.name: f for f in _step_graph(6, True).library.function}
+    # The batch size unknown while tracing (fit's), and known: then no addition sits in a
+    # branch, and the last bias's waits for the token through nothing but its own order.
+    library = {
+        f.signature.name: f for b in (None, 12) for f in _step_graph(6, True, batch=b).library.function
+    }
+    after = _AFTER
     for f in library.values():
         if "_backward_body" not in f.signature.name:
             continue
-        assert "after" in [a.name for a in f.signature.input_arg]
+        assert after in [a.name for a in f.signature.input_arg]
         for add in [n for n in f.node_def if n.op == "AssignAddVariableOp"]:
-            assert "after" in _ancestors(f, add.name), add.name
+            assert after in _ancestors(f, add.name), add.name
             checked += 1
         # With the batch size unknown while tracing, an empty micro-batch's additions are
         # skipped: they sit in a branch, whose op waits for the token.
         for branch in [n for n in f.node_def if n.op in ("If", "StatelessIf")]:
-            assert "after" in _ancestors(f, branch.name), branch.name
+            assert after in _ancestors(f, branch.name), branch.name
             then = library[branch.attr["then_branch"].func.name]
             checked += sum(n.op == "AssignAddVariableOp" for n in then.node_def)
-    assert checked == 2 * 4  # two stages, two Dense layers each: a kernel and a bias
+    assert checked == 2 * 2 * 4  # two graphs, two stages, two Dense layers each: a kernel and a bias
 
 
 def test_a_replay_waits_for_its_gradients_whatever_its_inputs():
@@ -327,10 +339,10 @@ def test_a_replay_waits_for_its_gradients_whatever_its_inputs():
     bodies = [f for f in graph_def.library.function if "_backward_body" in f.signature.name]
     assert len(bodies) == 2
     for f in bodies:
-        readers = [n for n in f.node_def if "inputs" in map(_name, n.input)]
+        readers = [n for n in f.node_def if _INPUTS in map(_name, n.input)]
         assert readers, f.signature.name
         for n in readers:
-            assert n.op == "Identity" and {"^after", "^output_grads"} <= set(n.input), (n.name, n.input)
+            assert n.op == "Identity" and {"^" + _AFTER, "^output_grads"} <= set(n.input), (n.name, n.input)
 
 
 def test_layout_fills_arrays_entry_by_entry_and_empties_them_as_stacks_where_shapes_agree():
