@@ -115,6 +115,41 @@ def test_fit_with_regularizers_and_sample_weights():
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_steps_per_execution_runs_several_steps_in_one_call(schedule):
+    """``compile(steps_per_execution=4)``: Keras runs four pipeline steps inside one function
+    call (its own loop around the step's loops); losses, metrics, weights, evaluate and
+    predict as keras.Sequential's with the same setting, the last call holding fewer steps
+    (8 batches of 7 then one of 4: 53 examples), uneven micro-batches (M=3)."""
+
+    def make():
+        keras.utils.set_random_seed(5)
+        return mlp_layers(width=16, depth=3)
+
+    seq, pm = pair(make, (None, 8), num_stages=2, num_micro_batches=3, schedule=schedule)
+    x, y = data(53)
+    results = []
+    for model in (seq, pm):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=4,
+        )
+        calls: list[int] = []  # Keras reports each call's last batch: two calls of four steps an epoch
+        counted = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs, c=calls: c.append(b))
+        fitted = model.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0, callbacks=[counted])
+        history = fitted.history
+        results.append([history["loss"], history["accuracy"], model.evaluate(x, y, batch_size=7, verbose=0)])
+        results[-1] += [model.predict(x, batch_size=7, verbose=0), int(model.optimizer.iterations), calls]
+    (*seq_values, seq_steps, seq_calls), (*pm_values, pm_steps, pm_calls) = results
+    assert pm_steps == seq_steps == 2 * 8
+    assert pm_calls == seq_calls == [3, 7, 3, 7], (pm_calls, seq_calls)
+    for a, b in zip(seq_values, pm_values):
+        assert_all_close([np.asarray(a)], [np.asarray(b)], rtol=1e-5, atol=1e-5)
+    assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
+
+
 class _SplitHeads(keras.layers.Layer):
     """Several outputs, no compute_output_shape: Keras must trace it."""
 
