@@ -299,6 +299,34 @@ def test_to_sequential_before_build_raises():
         PipelineModel(_dense_layers(), num_stages=2).to_sequential()
 
 
+def test_export_serves_what_the_model_predicts(tmp_path):
+    """``model.export(path)`` after ``fit`` alone (the model never called directly, so Keras
+    cannot infer a signature): a SavedModel whose ``serve`` gives ``predict``'s outputs."""
+    model = _trained("bn_dropout", 3)
+    model.export(str(tmp_path / "served"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    x, _ = _data(7, seed=4)  # a batch size it was not built for
+    np.testing.assert_allclose(served.serve(x).numpy(), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_export_keeps_the_input_dtype(tmp_path):
+    """Token ids stay int32 in the exported signature (Keras alone would infer float32)."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Embedding(50, 4), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)]
+    model = PipelineModel(layers, num_stages=2, num_micro_batches=2)
+    ids = np.random.RandomState(0).randint(0, 50, (6, 5)).astype("int32")
+    model(ids)
+    model.export(str(tmp_path / "served"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    assert served.serve.concrete_functions[0].structured_input_signature[0][0].dtype == tf.int32
+    np.testing.assert_allclose(served.serve(ids).numpy(), model.predict(ids, verbose=0), rtol=1e-6)
+
+
+def test_export_before_build_raises():
+    with pytest.raises(ValueError, match="build or call the model before export"):
+        PipelineModel(_dense_layers(), num_stages=2).export("unused")
+
+
 # ---------------------------------------------------------------- tf.train.Checkpoint
 
 

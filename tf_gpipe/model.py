@@ -431,6 +431,14 @@ class PipelineModel(keras.Model):
             raise ValueError(saving.not_built("set_weights()"))
         super().set_weights(weights)
 
+    def export(self, filepath: Any, format: str = "tf_saved_model", verbose: Any = None,
+               input_signature: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        """Keras' ``export`` of this model, its stages on their devices; by default for the
+        inputs it was built for. To serve on one device, export ``to_sequential()`` (after
+        ``from_model``: ``to_functional()``)."""
+        signature = saving.input_signature(self) if input_signature is None else input_signature
+        return super().export(filepath, format, verbose, signature, **kwargs)
+
     def to_sequential(self, name: str | None = None) -> keras.Sequential:
         """An unsplit ``keras.Sequential`` copy of the layers, with the current weights.
 

@@ -151,6 +151,19 @@ def to_functional(model: Any, name: str | None = None) -> keras.Model:
     return copy_
 
 
+def input_signature(model: Any) -> list[Any]:
+    """``export``'s input signature: the inputs the model was built for (nested, with their
+    dtypes), any batch size. Keras infers one for a subclassed model only from a
+    ``build(shape)`` call, and as float32."""
+    if model.build_spec is None:
+        raise ValueError(not_built("export()"))
+    return [
+        tf.nest.map_structure(
+            lambda t: None if t is None else tf.TensorSpec((None, *t.shape[1:]), t.dtype), model.build_spec
+        )
+    ]
+
+
 def not_built(what: str) -> str:
     """The error for ``what`` on a PipelineModel that is not built yet."""
     return (
