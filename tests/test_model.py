@@ -1,12 +1,15 @@
 """tf_gpipe.model, the core property: a PipelineModel computes what keras.Sequential(layers) computes."""
 
 import itertools
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, data, loss_and_grads, mlp_layers, pair
+from helpers import assert_all_close, child_env, data, loss_and_grads, mlp_layers, pair
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -148,6 +151,69 @@ def test_steps_per_execution_runs_several_steps_in_one_call(schedule):
     for a, b in zip(seq_values, pm_values):
         assert_all_close([np.asarray(a)], [np.asarray(b)], rtol=1e-5, atol=1e-5)
     assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def _partly_frozen():
+    keras.utils.set_random_seed(6)
+    layers = [keras.layers.Dense(12, activation="relu"), keras.layers.BatchNormalization()]
+    layers += [keras.layers.Dense(12, activation="relu"), keras.layers.Dense(3)]
+    for layer in layers[:2]:  # stage 0 has no trainable weight; its BatchNormalization infers
+        layer.trainable = False
+    return layers
+
+
+@pytest.mark.parametrize(
+    "schedule, remat, loops",
+    [
+        ("gpipe", "always", "auto"),
+        ("gpipe", "always", False),
+        ("1f1b", "never", "auto"),
+        ("zb-h1", "never", "auto"),
+    ],
+)
+def test_frozen_layers_train_as_sequential(schedule, remat, loops):
+    """``layer.trainable = False`` before compile, a whole stage frozen: the same losses and
+    weights as keras.Sequential's (uneven micro-batches: 29 examples, batches of 10, M=3)."""
+    seq, pm = pair(
+        _partly_frozen, (None, 8), num_stages=2, num_micro_batches=3, schedule=schedule, remat=remat,
+        micro_batch_loops=loops,
+    )  # fmt: skip
+    assert len(pm.trainable_weights) == len(seq.trainable_weights) == 4
+    x, y = data(29)
+    losses = []
+    for model in (seq, pm):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(True)
+        )
+        losses.append(model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_stage_built_out_runs_without_runtime_errors():
+    """A stage with no trainable weight has no gradient sums to zero: the step calls no
+    function whose body is one constant, which TensorFlow's runtime failed to find in
+    Keras' step (NOT_FOUND warnings logged, the result still right)."""
+    script = textwrap.dedent(
+        """
+        import keras, numpy as np, tf_gpipe
+        devices = tf_gpipe.configure_virtual_cpus(2)  # before TensorFlow starts
+        layers = [keras.layers.Dense(12, activation="relu"), keras.layers.BatchNormalization(),
+                  keras.layers.Dense(12, activation="relu"), keras.layers.Dense(3)]
+        for layer in layers[:2]:
+            layer.trainable = False
+        pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=3, micro_batch_loops=False,
+                                    devices=devices)
+        pm.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
+        x, y = np.random.RandomState(0).rand(29, 8).astype("float32"), np.arange(29) % 3
+        pm.fit(x, y, batch_size=10, epochs=1, verbose=0)
+        print("trained")
+        """
+    )
+    env = child_env(TF_CPP_MIN_LOG_LEVEL="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "trained" in out.stdout, out.stderr[-3000:]
+    assert "Failed to find definition" not in out.stderr, out.stderr[-3000:]
 
 
 class _SplitHeads(keras.layers.Layer):
