@@ -190,6 +190,36 @@ def test_frozen_layers_train_as_sequential(schedule, remat, loops):
     assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("schedule, loops", [("gpipe", "auto"), ("gpipe", False), ("1f1b", "auto")])
+def test_unfrozen_layers_train_after_compile_again(schedule, loops):
+    """Fine-tuning: frozen layers trained, then unfrozen and compiled again (as Keras asks);
+    the stage functions traced for the old trainable set must not serve the new one
+    (they differentiated only the weights trainable then: the unfrozen ones would not
+    move). Losses and weights as keras.Sequential's."""
+
+    def make():
+        keras.utils.set_random_seed(6)
+        return mlp_layers(width=12, depth=4)
+
+    seq, pm = pair(
+        make, (None, 8), num_stages=2, num_micro_batches=3, schedule=schedule, micro_batch_loops=loops
+    )
+    x, y = data(29)
+    losses = []
+    for model in (seq, pm):
+        frozen = model.layers[:2] if model is seq else model.stage_layers[:2]
+        history = []
+        for trainable, rate in ((False, 0.01), (True, 0.003)):
+            for layer in frozen:
+                layer.trainable = trainable
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            model.compile(optimizer=keras.optimizers.Adam(rate), loss=loss)
+            history += model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history["loss"]
+        losses.append(history)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_frozen_stage_built_out_runs_without_runtime_errors():
     """A stage with no trainable weight has no gradient sums to zero: the step calls no
     function whose body is one constant, which TensorFlow's runtime failed to find in

@@ -91,7 +91,7 @@ class Cell:
         # its traced functions (``tf_gpipe.stage``, one set per XLA choice), the variables
         # fit sums its gradients in (shared by those sets), and the ids of the variables
         # whose gradient rows do not grow with the batch (``tf_gpipe.sparse``).
-        self.stage_functions: dict[tuple[bool, bool, bool], Any] = {}
+        self.stage_functions: dict[tuple[bool, bool, bool, tuple[int, ...]], Any] = {}
         self.gradient_sums: dict[int, tf.Variable] = {}
         self.batch_free_rows: frozenset[int] | None = None
 

@@ -76,15 +76,19 @@ def is_inlined() -> bool:
 
 
 def functions(cell: Cell) -> StageFunctions:
-    """The stage functions of ``cell`` for its XLA choice, made on first use.
+    """The stage functions of ``cell`` for its XLA choice and trainable weights, made on
+    first use.
 
     An XLA program fixes its matmul precision when compiled (TF32 or full float32, by
     ``tf.config.experimental.tensor_float_32_execution_enabled()`` then): an XLA stage
     has its own functions, so its own programs, inside and outside ``exact_float32()``.
+    A trace differentiates the weights that were trainable then (and a frozen
+    BatchNormalization infers): a layer frozen or unfrozen since gets functions of its own.
     """
     jit = bool(getattr(cell, "jit_compile", False))
     eager = bool(getattr(cell, "run_eagerly", False))
-    key = (jit, eager, jit and tf.config.experimental.tensor_float_32_execution_enabled())
+    trainable = tuple(id(v) for v in cell.trainable_variables)
+    key = (jit, eager, jit and tf.config.experimental.tensor_float_32_execution_enabled(), trainable)
     made = cell.stage_functions
     if key not in made:
         made[key] = StageFunctions(cell, jit, eager)
