@@ -373,3 +373,21 @@ def test_layer_shared_across_stages_is_refused():
     msg = _error(ValueError, lambda: PipelineModel(layers, num_stages=3))
     assert "tied_dense" in msg and "stages [0, 2]" in msg and "balance" in msg
     PipelineModel(layers, num_stages=1)  # all uses in one stage: fine
+
+
+def test_a_stateful_rnn_is_refused_with_the_fix():
+    """A stateful RNN carries its state between batches row by row; micro-batches would hand
+    one micro-batch's state to the next: refused by name, in a list and nested in a model
+    given to from_model, before anything is built."""
+    with pytest.raises(ValueError, match=r"'carry'.*stage 1.*stateful=True.*stateful=False"):
+        PipelineModel(
+            [keras.layers.Dense(4), keras.layers.LSTM(4, stateful=True, name="carry"), keras.layers.Dense(2)],
+            num_stages=2,
+            balance=[1, 2],
+        )
+    inner = keras.Sequential([keras.layers.GRU(4, stateful=True, name="inner_gru")], name="block")
+    x = keras.Input((5, 3), batch_size=8)
+    h = keras.layers.Dense(3)(x)
+    model = keras.Model(x, keras.layers.Dense(2)(inner(h)))
+    with pytest.raises(ValueError, match=r"'inner_gru'.*stateful=True"):
+        PipelineModel.from_model(model, num_stages=2)

@@ -113,6 +113,22 @@ def check_tied_layers(groups: Sequence[Sequence[Any]]) -> None:
             _refuse("variable", getattr(variable, "path", None) or variable.name, variable, uses)
 
 
+def refuse_stateful_rnns(groups: Sequence[Sequence[Any]]) -> None:
+    """Refuse a recurrent layer with ``stateful=True``: its state carries over from one
+    batch to the next row by row, and between micro-batches it would pass one micro-batch's
+    state to the next (and Keras builds it only for a fixed batch size)."""
+    for s, group in enumerate(groups):
+        for item in group:
+            for sub in _nested(item):
+                if isinstance(sub, keras.layers.RNN) and getattr(sub, "stateful", False):
+                    raise ValueError(
+                        f"tf_gpipe: layer {sub.name!r} (stage {s}) is a recurrent layer with "
+                        "stateful=True: its state carries over between batches row by row, which "
+                        "micro-batches would break. Use stateful=False (the state then starts "
+                        "anew each batch)."
+                    )
+
+
 def unpack_layers(layers: Any):
     """A flat list of layers, plus the input spec if the user gave one (keras.Input / Sequential)."""
     spec = None
@@ -181,4 +197,5 @@ def cut_into_cells(
             num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
         groups = split_by_balance(layers, num_stages * virtual_stages, None)
     check_tied_layers(groups)
+    refuse_stateful_rnns(groups)
     return groups
