@@ -40,6 +40,20 @@ class Cut(NamedTuple):
     source: keras.Model  # the functional model cut (a Sequential's functional twin)
 
 
+def serve_split(models: Sequence[keras.Model], devices: Sequence[str]) -> None:
+    """Let a model that was cut keep serving: its layers' variables now live on the stages'
+    ``devices``."""
+    for source in {id(m): m for m in models}.values():
+        # Functions Keras traced before read the variables the cells replaced.
+        source.train_function = source.test_function = source.predict_function = None
+        if len(set(devices)) > 1:
+            # One XLA program reads every variable on its own device: over several
+            # devices the model serves without XLA (which Keras' "auto" picks on a GPU),
+            # compiled again too (a model that does not support XLA compiles without).
+            source.supports_jit = False
+            source.jit_compile = False
+
+
 def cut_model(
     model: keras.Model,
     num_stages: int | None,

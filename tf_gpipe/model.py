@@ -244,15 +244,7 @@ class PipelineModel(keras.Model):
         instance._source_model = cut.source
         instance.balance = list(cut.node_balance)  # where the model was cut, in nodes per cell
         instance.build_cells(cut.spec)
-        for source in {id(m): m for m in (model, cut.source)}.values():
-            # Functions Keras traced before read the variables the cells replaced.
-            source.train_function = source.test_function = source.predict_function = None
-            if len(set(instance.devices)) > 1:
-                # One XLA program reads every variable on its own device: over several
-                # devices the model serves without XLA (which Keras' "auto" picks on a GPU),
-                # compiled again too (a model that does not support XLA compiles without).
-                source.supports_jit = False
-                source.jit_compile = False
+        graph.serve_split([model, cut.source], instance.devices)
         return instance
 
     # ------------------------------------------------------------------ properties
