@@ -328,6 +328,7 @@ def _stage_ops(fit_placement_log, tag, expected_devices):
     return out
 
 
+@pytest.mark.xdist_group("placement_log")  # its module fixture runs once, on one worker
 @_FIT_CONFIGS
 def test_compute_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, expected_devices):
     ops = _stage_ops(fit_placement_log, tag, expected_devices)
@@ -354,6 +355,7 @@ def test_compute_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, exp
     assert {"BiasAdd", "BiasAddGrad", "Relu", "ReluGrad", "ReadVariableOp"} <= seen_ops
 
 
+@pytest.mark.xdist_group("placement_log")  # its module fixture runs once, on one worker
 @_FIT_CONFIGS
 def test_all_stage_scope_ops_run_on_stage_devices_during_fit(fit_placement_log, tag, expected_devices):
     ops = _stage_ops(fit_placement_log, tag, expected_devices)
@@ -373,6 +375,7 @@ _LOOP_SCOPE = re.compile(r"(?:^|/)stage(\d+)_(forward|backward|replay)/")
 _INLINED_ARGUMENT = re.compile(r"/input/_\d+$")
 
 
+@pytest.mark.xdist_group("placement_log")  # its module fixture runs once, on one worker
 def test_the_loops_run_each_stage_on_its_device_during_fit(fit_placement_log):
     """Every op in a stage's scope of the loops (its cond, its inlined function bodies) is
     placed on the stage's device, and the bodies are inlined: no stage-function call is left."""

@@ -26,6 +26,9 @@ import tf_gpipe
 from tf_gpipe import cluster
 from tf_gpipe.cluster.local import free_port
 
+# One worker runs every test of this module: its module fixture (child processes) runs once.
+pytestmark = pytest.mark.xdist_group("cluster_workers")
+
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "tests" / "_cluster_worker.py"
 NUM_WORKERS = 2  # each with 2 logical CPUs

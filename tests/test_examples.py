@@ -16,6 +16,9 @@ from helpers import child_env
 
 from tf_gpipe.devices import default_devices  # where the script's stages go by default
 
+# One worker runs every test of this module: its module fixture (child processes) runs once.
+pytestmark = pytest.mark.xdist_group("classifier_example")
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_classifier.py"
 

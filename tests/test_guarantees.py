@@ -15,6 +15,9 @@ from helpers import assert_all_close, data, memory_probe, pair, record_slots
 import tf_gpipe
 from tf_gpipe import timeline
 
+# One worker runs every test of this module: its module fixture (child processes) runs once.
+pytestmark = pytest.mark.xdist_group("memory_probes")
+
 MiB = 2.0**20
 
 # ---------------------------------------------------------------- memory probe

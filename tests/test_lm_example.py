@@ -22,6 +22,9 @@ import pytest
 import tensorflow as tf
 from helpers import child_env
 
+# One worker runs every test of this module: its module fixture (child processes) runs once.
+pytestmark = pytest.mark.xdist_group("lm_example")
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_transformer_lm.py"
 

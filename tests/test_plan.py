@@ -318,6 +318,7 @@ def sum_zeros_freed():
     return json.loads(memory_probe(_SUM_ZEROS_PROBE).split("FREED ")[-1])
 
 
+@pytest.mark.xdist_group("sum_zeros_probe")  # its module fixture runs once, on one worker
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_the_step_holds_the_gradient_sums_zeros(schedule, sum_zeros_freed):
     """What ``StageCost.sum_zeros_bytes`` stands for, measured: the step function holds those
