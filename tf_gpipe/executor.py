@@ -143,15 +143,14 @@ def run_forward(
             continue
         s, m = action.stage, action.micro_batch
         cell = cells[s]
+        mb = MicroBatch(acts[m], masks[m], sides[m], split.nonempty(m), training)
         with tf.name_scope(f"stage{s}_mb{m}"):
             if training and rematerializes(s):
-                mb = MicroBatch(acts[m], masks[m], sides[m], split.nonempty(m), training)
                 acts[m], masks[m], extra = remat.rematerialized(cell, mb, deferred)
             else:
                 # Training, an enclosing tape may differentiate the call: then the taped
                 # forward, whose gradient frees each activation once its layer's
                 # gradients are made (``tf_gpipe.gated``).
-                mb = MicroBatch(acts[m], masks[m], sides[m], split.nonempty(m), training)
                 fns = stage.functions(cell)
                 acts[m], masks[m], extra, _ = fns.forward(mb, deferred, taped=bool(training))
         losses[m].extend(extra)

@@ -13,7 +13,7 @@ from keras import tree
 from tf_gpipe import keras_compat, structure
 from tf_gpipe.balance import solve_minmax
 from tf_gpipe.balance.profile import median_times, sandbox
-from tf_gpipe.partition import check_tied_layers, refuse_stateful_rnns, split_by_balance
+from tf_gpipe.partition import check_stages, split_by_balance
 
 __all__: list[str] = []
 
@@ -152,8 +152,7 @@ def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage")
     for size in balance:
         groups.append(nodes[start : start + size])
         start += size
-    check_tied_layers([[node.operation for node in group] for group in groups])
-    refuse_stateful_rnns([[node.operation for node in group] for group in groups])
+    check_stages([[node.operation for node in group] for group in groups])
     # Which tensor each cut must carry: produced before it, used at or after it.
     produced_before: list[set] = []
     seen = {id(x) for x in model.inputs}

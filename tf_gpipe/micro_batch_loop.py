@@ -102,7 +102,7 @@ def run(
             sides,
             loss,
             deferred,
-        ).run(loss.micro_loss, loss.batch_loss)
+        ).run()
 
 
 def forward(
@@ -124,7 +124,7 @@ def forward(
     with stage.inlined():
         step = _Step(waits, False, cells, split, masks, lambda s: True, sides, StepLoss(), deferred, training)
         step.taped = taped
-        outputs, out_masks, _, cell_losses, _ = step.run(None, None)
+        outputs, out_masks, _, cell_losses, _ = step.run()
     return outputs, out_masks, cell_losses
 
 
@@ -144,7 +144,7 @@ class _Step:
     ):
         self.cells, self.M = list(cells), len(split)
         self.rematerializes, self.deferred = rematerializes, deferred
-        self.halves, self.training = halves, training
+        self.halves, self.training, self.loss = halves, training, loss
         self.tokens = loop_state.Tokens(waits, cells)
         # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
         # several, or unknown, they share a leading dimension of unknown size.
@@ -254,7 +254,8 @@ class _Step:
         return state
 
     # ---------------------------------------------------------------------------- the step
-    def run(self, micro_loss, batch_loss):
+    def run(self):
+        micro_loss, batch_loss = self.loss.micro_loss, self.loss.batch_loss
         S, M, cells = len(self.cells), self.M, self.cells
         devices = [c.device for c in cells]
 

@@ -88,6 +88,13 @@ def _refuse(kind: str, name: str, shared: Any, uses: dict) -> None:
     )
 
 
+def check_stages(groups: Sequence[Sequence[Any]]) -> None:
+    """Refuse what no split into these groups of layers (one per cell) can run: a layer or
+    variable two stages use, a stateful recurrent layer."""
+    check_tied_layers(groups)
+    refuse_stateful_rnns(groups)
+
+
 def check_tied_layers(groups: Sequence[Sequence[Any]]) -> None:
     """Refuse a layer or variable that two stages use: it can live on one device only.
 
@@ -196,6 +203,5 @@ def cut_into_cells(
         if num_stages is None:
             num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
         groups = split_by_balance(layers, num_stages * virtual_stages, None)
-    check_tied_layers(groups)
-    refuse_stateful_rnns(groups)
+    check_stages(groups)
     return groups
