@@ -102,6 +102,27 @@ def test_first_call_argument_is_what_maybe_build_builds_for():
     assert events[0][1] is tokens, f"{VERSION}: _maybe_build saw {events[0][1]!r}"
 
 
+def test_data_spec_reads_what_maybe_symbolic_build_is_given():
+    seen = []
+
+    class Recording(keras.Sequential):
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            seen.append(keras_compat.data_spec(iterator, data_batch))
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    model = Recording([keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((6, 3), "int32"), np.zeros((6, 2), "float32")
+    model.fit(x, y, batch_size=4, verbose=0)
+    model.train_on_batch(x, y)
+    assert len(seen) == 2, f"{VERSION}: _maybe_symbolic_build ran {len(seen)} times"
+    fit_x, batch_x = seen[0][0], seen[1][0]
+    assert isinstance(fit_x, tf.TensorSpec), f"{VERSION}: fit gave {fit_x!r}"
+    assert fit_x.shape.as_list() == [None, 3] and fit_x.dtype == tf.int32, f"{VERSION}: {fit_x!r}"
+    assert batch_x is x, f"{VERSION}: train_on_batch gave {batch_x!r}"
+    assert keras_compat.data_spec(None, None) is None
+
+
 class _Dtypes(keras.layers.Layer):
     def call(self, x):
         self.seen = x
@@ -556,6 +577,11 @@ def test_a_missing_private_attribute_fails_loudly(hook, make, private):
         (
             keras.layers.Layer,
             "_maybe_build",
+            lambda: tf_gpipe.PipelineModel([keras.layers.Dense(2)]),
+        ),
+        (
+            next(c for c in keras.Model.__mro__ if "_maybe_symbolic_build" in vars(c)),
+            "_maybe_symbolic_build",
             lambda: tf_gpipe.PipelineModel([keras.layers.Dense(2)]),
         ),
         (keras.StatelessScope, "add_update", keras_compat.RecordingScope),

@@ -196,6 +196,7 @@ class PipelineModel(keras.Model):
         # to this model's policy), so float64 or int inputs stay as they are.
         keras_compat.keep_input_dtypes(self)
         keras_compat.overridable(keras.Model, "_maybe_build", "build from the first inputs' dtypes")
+        keras_compat.overridable(keras.Model, "_maybe_symbolic_build", "build before the first trace")
         self._jit_compile_arg = "auto"  # compile(jit_compile=...) as given, for get_compile_config
         self._build_spec = None
         if spec is not None:
@@ -329,6 +330,18 @@ class PipelineModel(keras.Model):
             self.build_cells(structure.spec_from(inputs))
         return super()._maybe_build(call_spec)
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):  # private Keras: keras_compat.data_spec
+        # Built before fit, evaluate or train_on_batch traces its step, not inside the trace
+        # (made there, the variables make TensorFlow trace the step twice).
+        data = None if self.built else keras_compat.data_spec(iterator, data_batch)
+        if data is not None:
+            self.build_cells(structure.spec_from(keras.utils.unpack_x_y_sample_weight(data)[0]))
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def make_train_function(self, force: bool = False) -> Any:
+        self._build_training_state()  # the optimizer's slots too, before the first trace
+        return super().make_train_function(force)
+
     def get_build_config(self) -> dict:
         return saving.get_build_config(self)
 
@@ -376,8 +389,9 @@ class PipelineModel(keras.Model):
         variables traces twice, and our step is the long trace."""
         if not self.built or getattr(self, "optimizer", None) is None:
             return
-        self.optimizer.build(self.trainable_variables)
-        update.place_optimizer(self.optimizer, self.devices[0])  # and what build made
+        if not self.optimizer.built:
+            self.optimizer.build(self.trainable_variables)
+            update.place_optimizer(self.optimizer, self.devices[0])  # and what build made
         self.build_gradient_sums()
 
     def build_gradient_sums(self) -> None:

@@ -170,6 +170,20 @@ def unscale_loss_for_distribution(loss: Any) -> Any:
     )(loss)
 
 
+def data_spec(iterator: Any, data_batch: Any) -> Any:
+    """What ``Trainer._maybe_symbolic_build(iterator=None, data_batch=None)`` (which
+    ``PipelineModel`` overrides) is given, as the spec of one batch, read before Keras traces
+    its step: ``data_batch`` itself (``train_on_batch``), or the element spec of the epoch
+    iterator's dataset (``fit``, ``evaluate``; nothing is consumed). Uses
+    ``TFEpochIterator._distributed_dataset``. None where neither says."""
+    if data_batch is not None:
+        return data_batch
+    if iterator is None:
+        return None
+    why = "build a PipelineModel before Keras traces its first step"
+    return private_attribute(iterator, "_distributed_dataset", why).element_spec
+
+
 def sequential_functional(model: keras.Sequential) -> Any:
     """The functional model behind a built ``keras.Sequential`` (None before it is built).
 
