@@ -17,7 +17,7 @@ from helpers import assert_all_close, data, mlp_layers
 from tensorflow.python.eager import lift_to_graph
 
 import tf_gpipe
-from tf_gpipe import trainer
+from tf_gpipe import cluster, trainer
 
 N, BATCH = 23, 8  # three batches, the last of 7: uneven micro-batches (M=3)
 
@@ -100,3 +100,23 @@ def test_optimizer_slots_made_in_a_traced_step_are_lifted_out_of_it(cpu_devices,
         seq.train_on_batch(x, y)
     assert not unliftable, unliftable[0][:500]
     assert_all_close(pm.get_weights(), seq.get_weights())
+
+
+def test_replicated_pipeline_traces_its_step_once(cpu_devices, monkeypatch):
+    """Data x pipeline replicas: the optimizer's slots, over every replica's weights, are made
+    before the first trace too."""
+    count = []
+    original = trainer.finish_step
+
+    def counting(*args, **kwargs):
+        count.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "finish_step", counting)
+    groups = [cpu_devices[0:2], cpu_devices[2:4]]
+    rp = cluster.ReplicatedPipeline(mlp_layers, groups, input_shape=(None, 8), num_micro_batches=2)
+    _compiled(rp)
+    x, y = data(24)
+    rp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert len(count) == 1, f"the step was traced {len(count)} times"
+    assert int(rp.optimizer.iterations) == 3

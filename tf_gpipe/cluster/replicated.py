@@ -87,10 +87,14 @@ class ReplicatedPipeline(keras.Model):
             replica.set_weights(weights)
         self.built = True
         if getattr(self, "optimizer", None) is not None:
-            self._build_gradient_sums()
+            self._build_training_state()
 
-    def _build_gradient_sums(self) -> None:
-        # Before the first trace of the step (see PipelineModel.build_gradient_sums).
+    def _build_training_state(self) -> None:
+        # Before the first trace of the step, which would otherwise make them and be traced
+        # twice (see PipelineModel._build_training_state): in the order finish_step applies.
+        if not self.optimizer.built:
+            self.optimizer.build([v for replica in self.replicas for v in replica.trainable_variables])
+            update.place_optimizer(self.optimizer, self.replicas[0].devices[0])
         for replica in self.replicas:
             replica.build_gradient_sums()
 
@@ -103,7 +107,7 @@ class ReplicatedPipeline(keras.Model):
         # Slots beside their replica's variables, each update on its variable's device.
         update.place_optimizer(self.optimizer, self.replicas[0].devices[0])
         if self.built:
-            self._build_gradient_sums()
+            self._build_training_state()
 
     def train_step(self, data: Any) -> dict:
         if not self.built or self._all_reduce is None:
