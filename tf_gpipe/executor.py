@@ -9,7 +9,9 @@ backward is built out, in an order
 consistent with the schedule, and each device's actions are chained with control
 dependencies so the device runs them in the schedule's order: that is what bounds the
 stashed activations of 1F1B to K per device, where plain dataflow would run every forward
-as early as it could.
+as early as it could. What a stage keeps from one of its actions to the next (each
+micro-batch's record, the gradients sent to it, its gradient sums) is its own (``_Stage``);
+the step passes each micro-batch's outputs on and its input gradients back.
 
 A split schedule (zb-h1) runs each backward as two actions, each its own stage-function
 call: ``B`` differentiates w.r.t. the stage input only (what the previous stage waits
@@ -68,8 +70,103 @@ def _whole_batch_grads(schedule: Any, batch_loss: micro_batch_loop.BatchLossFn |
             "forward is done, so the whole mini-batch loss is not ready; use "
             "schedule='gpipe' for this loss."
         )
-    last = schedule.num_virtual_stages - 1
-    return {(last, m): g for m, g in enumerate(batch_loss(outputs, out_masks))}
+    return batch_loss(outputs, out_masks)
+
+
+class _Stage:
+    """One stage of a built-out step and what it keeps between its actions, as PyTorch's
+    ``PipelineStage`` does: each micro-batch's record from its forward to its backward (to
+    its ``W``, when split), the output gradients sent to it, the token of its latest addition
+    to its gradient sums, and the gradients it keeps apart (M = 1, rows)."""
+
+    def __init__(self, cell: Cell, first: bool, rematerialized: bool, halves: bool, summing: bool) -> None:
+        self.cell, self.first, self.rematerialized = cell, first, rematerialized
+        self.halves, self.summing = halves, summing  # split backward; M > 1: sums
+        self.records: dict[int, replay.Record] = {}
+        self.output_grads: dict[int, list[Any]] = {}
+        self.weights_due: dict[int, tuple[replay.Record, Any, list[Any]]] = {}
+        self.summed: tf.Tensor | None = None
+        self.rows: dict[int, list[Any]] = {}  # id(variable) -> its gradients, per micro-batch
+        self.specs: Any = None  # one micro-batch's (inputs, mask, side), as specs
+
+    def forward(self, m: int, mb: MicroBatch, deferred: Any) -> replay.Record:
+        rec = remat.forward(
+            self.cell, mb, self.rematerialized, deferred, persistent=self.halves, input_grads=not self.first
+        )
+        self.records[m] = rec
+        return rec
+
+    def due(self, m: int, kind: str, layer_loss_grads: Any) -> tuple[replay.Record, Any, list[Any]]:
+        """What micro-batch ``m``'s ``B`` (or ``W``) differentiates: its record, its output
+        gradients and the gradients of the losses its layers added."""
+        if kind == "W":  # what its B received, kept until now
+            return self.weights_due.pop(m)
+        rec, dy = self.records.pop(m), self.output_grads.pop(m)
+        loss_grads = []
+        if rec.losses:
+            if layer_loss_grads is None:
+                raise ValueError("tf_gpipe: layers added losses: StepLoss needs layer_loss_grads.")
+            loss_grads = [layer_loss_grads[m]] * len(rec.losses)
+        if self.halves:
+            self.weights_due[m] = (rec, dy, loss_grads)
+        return rec, dy, loss_grads
+
+    def start_sums(self, kind: str) -> None:
+        """Zero the gradient sums before the stage's first addition to them."""
+        if self.summing and self._weight_half(kind) and self.summed is None:
+            self.summed = stage.functions(self.cell).sums.zero()
+
+    def _weight_half(self, kind: str) -> bool:
+        return kind == "W" or not self.halves
+
+    def backward(self, kind: str, due: tuple, start: list[tf.Tensor], tracer: Any) -> tuple[list, list]:
+        """``B`` (the full backward, or its input half when split) or ``W``, once ``start`` is
+        ready: ``(input gradients, weight gradients kept apart)``; added to the sums, the
+        weight gradients are not returned."""
+        rec, dy, loss_grads = due
+        input_half, weight_half = kind == "B", self._weight_half(kind)
+        variables = self.cell.trainable_variables if weight_half else []
+        to_sums = self.summing and weight_half
+        first = self.first
+        in_grads: list[Any] = []
+        grads: list[Any] = []
+        # Stage 0's input needs no gradient: its split B has nothing to compute.
+        if not (self.halves and input_half and first):
+            part = stage.Part(input_half and not first, weight_half, self.summed if to_sums else None)
+            in_grads, result = remat.backward(
+                self.cell,
+                rec,
+                ordering.after(start, dy),
+                ordering.after(start, loss_grads),
+                True,
+                variables,
+                part,
+                tracer=tracer,
+            )
+            if to_sums:
+                self.summed, grads = result
+            else:
+                grads = result
+        for v, g in zip(variables, grads):
+            if g is not None:  # M = 1, or rows: kept apart, not summed into a dense tensor
+                self.rows.setdefault(id(v), []).append(g)
+        if self.specs is None:  # specs: an eager step must not keep the tensors alive
+            self.specs = sparse.relaxed_specs((rec.inputs, rec.mask, rec.side))
+        return in_grads, grads
+
+    def totals(self) -> dict[int, Any]:
+        """{id(variable): its gradient over the mini-batch} for the stage's variables."""
+        totals: dict[int, Any] = {}
+        if self.specs is not None:
+            free: frozenset[int] = frozenset()
+            variables = self.cell.trainable_variables
+            if any(len(self.rows.get(id(v), [])) > 1 for v in variables):
+                free = sparse.batch_free(self.cell, *self.specs)
+            with tf.device(self.cell.device):
+                for v in variables:
+                    if id(v) in self.rows:
+                        totals[id(v)] = sparse.combine(self.rows[id(v)], id(v) in free)
+        return totals
 
 
 def _sized(schedule: Any, cells: Sequence[Cell], split: Split) -> tuple[int, int]:
@@ -203,20 +300,14 @@ def run_schedule(
     ):
         # 2K (or 3K) stage call sites whatever M, not one per action.
         return micro_batch_loop.run(schedule, cells, split, masks, rematerializes, sides, loss, deferred)
-    records: dict[tuple[int, int], replay.Record] = {}
-    grads_in: dict[tuple[int, int], list[tf.Tensor | None]] = {}
+    halves = bool(getattr(schedule, "split_backward", False))
+    stages = [_Stage(c, s == 0, rematerializes(s), halves, M > 1) for s, c in enumerate(cells)]
+    acts, act_masks = list(split.chunks), list(masks)  # each micro-batch's latest stage output
     outputs: list[Any] = [None] * M
     out_masks: list[Any] = [None] * M
-    # id(variable) -> its gradients not added to a sum variable (rows, or M = 1), per micro-batch
-    rows: dict[int, list[Any]] = {}
-    probe_specs: dict[int, Any] = {}  # stage -> specs of one micro-batch's (inputs, mask, side)
-    summed: dict[int, tf.Tensor] = {}  # stage -> token of its latest addition to its gradient sums
     last: dict[int, list[tf.Tensor]] = {}  # device -> what its previous action produced
     cell_losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
     terms: list[list[Any]] = []
-    # Split schedules: (record, output gradients, loss gradients) from each B, kept for its W.
-    halves = bool(getattr(schedule, "split_backward", False))
-    weights_due: dict[tuple[int, int], tuple[replay.Record, Any, list[Any]]] = {}
     names = {"B": "backward", "W": "weight_grads"}
 
     def mark(label: str, device: int, deps: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -227,19 +318,15 @@ def run_schedule(
     for action in schedule.topological_order():
         s, m = action.stage, action.micro_batch
         d = schedule.device_of(s)
-        cell = cells[s]
+        cell, st = cells[s], stages[s]
         tag = f"{action.kind}{m}@s{s}"
         if action.kind == "F":
-            x = split.chunks[m] if s == 0 else records[(s - 1, m)].outputs
-            mask = masks[m] if s == 0 else records[(s - 1, m)].out_mask
             with tf.name_scope(f"stage{s}_mb{m}"), tf.device(cell.device):
-                start = mark("start " + tag, d, last.get(d, []) + ordering.done(x))
-                x = ordering.after(start, x)
-                mb = MicroBatch(x, mask, None if sides is None else sides[m], split.nonempty(m), True)
-                rec = remat.forward(
-                    cell, mb, rematerializes(s), deferred, persistent=halves, input_grads=s > 0
-                )
-            records[(s, m)] = rec
+                start = mark("start " + tag, d, last.get(d, []) + ordering.done(acts[m]))
+                x = ordering.after(start, acts[m])
+                mb = MicroBatch(x, act_masks[m], None if sides is None else sides[m], split.nonempty(m), True)
+                rec = st.forward(m, mb, deferred)
+            acts[m], act_masks[m] = rec.outputs, rec.out_mask
             cell_losses[m].extend(rec.losses)
             with tf.device(cell.device):
                 last[d] = mark("end " + tag, d, ordering.done(rec.outputs))
@@ -248,72 +335,30 @@ def run_schedule(
                 if micro_loss is not None:
                     with tf.device(cell.device), tf.name_scope(f"loss_mb{m}"):
                         target = None if targets is None else targets[m]
-                        grads_in[(s, m)], row = micro_loss(rec.outputs, rec.out_mask, target)
+                        st.output_grads[m], row = micro_loss(rec.outputs, rec.out_mask, target)
                         terms.append(row)
-        else:  # "B" (the full backward, or its input half when split) or "W"
-            if action.kind == "B":
-                if (s, m) not in grads_in:
-                    grads_in.update(_whole_batch_grads(schedule, batch_loss, outputs, out_masks))
-                rec = records.pop((s, m))
-                dy = grads_in.pop((s, m))
-                loss_grads = []
-                if rec.losses:
-                    if layer_loss_grads is None:
-                        raise ValueError("tf_gpipe: layers added losses: StepLoss needs layer_loss_grads.")
-                    loss_grads = [layer_loss_grads[m]] * len(rec.losses)
-            else:  # W: what its B received, kept until now
-                rec, dy, loss_grads = weights_due.pop((s, m))
-            input_half = action.kind == "B"
-            weight_half = action.kind == "W" or not halves
-            if halves and input_half:
-                weights_due[(s, m)] = (rec, dy, loss_grads)
-            variables = cell.trainable_variables if weight_half else []
-            # With one micro-batch there is nothing to sum: the gradients are returned.
-            to_sums = M > 1 and weight_half
-            grads: list[Any] = []
-            in_grads: list[Any] = []
-            with tf.name_scope(f"stage{s}_mb{m}_{names[action.kind]}"), tf.device(cell.device):
-                deps = last.get(d, []) + ordering.done(dy)
-                if to_sums and s not in summed:  # the stage's first addition: its sums start at 0
-                    summed[s] = stage.functions(cell).sums.zero()
-                start = mark("start " + tag, d, deps)
-                # Stage 0's input needs no gradient: its split B has nothing to compute.
-                if not (halves and input_half and s == 0):
-                    part = stage.Part(input_half and s > 0, weight_half, summed.get(s) if to_sums else None)
-                    in_grads, result = remat.backward(
-                        cell,
-                        rec,
-                        ordering.after(start, dy),
-                        ordering.after(start, loss_grads),
-                        True,
-                        variables,
-                        part,
-                        tracer=None if tracer is None else (tracer, d, tag),
-                    )
-                    if to_sums:
-                        summed[s], grads = result
-                    else:
-                        grads = result
-                for v, g in zip(variables, grads):
-                    if g is not None:  # M = 1, or rows: kept apart, not summed into a dense tensor
-                        rows.setdefault(id(v), []).append(g)
-                if s not in probe_specs:  # specs: an eager step must not keep the tensors alive
-                    probe_specs[s] = sparse.relaxed_specs((rec.inputs, rec.mask, rec.side))
-            if s > 0 and input_half:
-                grads_in[(s - 1, m)] = in_grads
-            with tf.device(cell.device):
-                token = summed.get(s) if weight_half else None
-                last[d] = mark("end " + tag, d, ordering.done(in_grads, token, grads) or start)
+            continue
+        # "B" (the full backward, or its input half when split) or "W"
+        if action.kind == "B" and m not in st.output_grads:  # the whole mini-batch's loss, once
+            for i, g in enumerate(_whole_batch_grads(schedule, batch_loss, outputs, out_masks)):
+                stages[-1].output_grads[i] = g
+        due = st.due(m, action.kind, layer_loss_grads)
+        with tf.name_scope(f"stage{s}_mb{m}_{names[action.kind]}"), tf.device(cell.device):
+            deps = last.get(d, []) + ordering.done(due[1])
+            st.start_sums(action.kind)
+            start = mark("start " + tag, d, deps)
+            in_grads, grads = st.backward(
+                action.kind, due, start, None if tracer is None else (tracer, d, tag)
+            )
+        if s > 0 and action.kind == "B":
+            stages[s - 1].output_grads[m] = in_grads
+        with tf.device(cell.device):
+            token = st.summed if action.kind == "W" or not halves else None
+            last[d] = mark("end " + tag, d, ordering.done(in_grads, token, grads) or start)
     totals: dict[int, Any] = {}
-    for s, (x, mask, side) in probe_specs.items():
-        free: frozenset[int] = frozenset()
-        variables = cells[s].trainable_variables
-        if any(len(rows.get(id(v), [])) > 1 for v in variables):
-            free = sparse.batch_free(cells[s], x, mask, side)
-        with tf.device(cells[s].device):
-            for v in variables:
-                if id(v) in rows:
-                    totals[id(v)] = sparse.combine(rows[id(v)], id(v) in free)
-    for s, token in summed.items():
-        totals.update(stage.functions(cells[s]).sums.read(token))
+    for st in stages:
+        totals.update(st.totals())
+    for st in stages:
+        if st.summed is not None:
+            totals.update(stage.functions(st.cell).sums.read(st.summed))
     return outputs, out_masks, totals, cell_losses, terms
