@@ -332,8 +332,10 @@ class PipelineModel(keras.Model):
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):  # private Keras: keras_compat.data_spec
         # Built before fit, evaluate or train_on_batch traces its step, not inside the trace
-        # (made there, the variables make TensorFlow trace the step twice).
-        data = None if self.built else keras_compat.data_spec(iterator, data_batch)
+        # (made there, the variables make TensorFlow trace the step twice). Under a strategy,
+        # Keras' own symbolic build does it.
+        skip = self.built or tf.distribute.has_strategy()
+        data = None if skip else keras_compat.data_spec(iterator, data_batch)
         if data is not None:
             self.build_cells(structure.spec_from(keras.utils.unpack_x_y_sample_weight(data)[0]))
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
