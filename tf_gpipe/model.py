@@ -331,9 +331,8 @@ class PipelineModel(keras.Model):
         return super()._maybe_build(call_spec)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):  # private Keras: keras_compat.data_spec
-        # Built before fit, evaluate or train_on_batch traces its step, not inside the trace
-        # (made there, the variables make TensorFlow trace the step twice). Under a strategy,
-        # Keras' own symbolic build does it.
+        # Built before fit, evaluate or train_on_batch traces its step (variables made in a
+        # trace make TensorFlow trace it twice); under a strategy, Keras' symbolic build does.
         skip = self.built or tf.distribute.has_strategy()
         data = None if skip else keras_compat.data_spec(iterator, data_batch)
         if data is not None:
@@ -341,7 +340,7 @@ class PipelineModel(keras.Model):
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def make_train_function(self, force: bool = False) -> Any:
-        self._build_training_state()  # the optimizer's slots too, before the first trace
+        trainer.make_state(self)  # the optimizer's slots too, before the first trace
         return super().make_train_function(force)
 
     def get_build_config(self) -> dict:
@@ -383,18 +382,7 @@ class PipelineModel(keras.Model):
         self._jit_compile_arg = jit_compile
         self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
         update.place_optimizer(self.optimizer, self.devices[0])
-        self._build_training_state()
-
-    def _build_training_state(self) -> None:
-        """Optimizer slots and the stages' gradient sums, made now (once built and compiled),
-        not inside the first trace of the training step: a tf.function that creates
-        variables traces twice, and our step is the long trace."""
-        if not self.built or getattr(self, "optimizer", None) is None:
-            return
-        if not self.optimizer.built:
-            self.optimizer.build(self.trainable_variables)
-            update.place_optimizer(self.optimizer, self.devices[0])  # and what build made
-        self.build_gradient_sums()
+        trainer.make_state(self)
 
     def build_gradient_sums(self) -> None:
         """Each stage's variables that sum its gradients over micro-batches (M > 1)."""
@@ -412,7 +400,7 @@ class PipelineModel(keras.Model):
         """Re-compile a loaded model (``keras.models.load_model``) as it was saved."""
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
-        self._build_training_state()
+        trainer.make_state(self)
 
     def test_step(self, data: Any) -> dict:
         with untaped():  # evaluate: the forward may be a loop

@@ -41,6 +41,18 @@ def train_step(model: Any, data: Any) -> dict:
     return finish_step(model, data, step, model.trainable_weights)
 
 
+def make_state(model: Any) -> None:
+    """A built, compiled ``model``'s optimizer slots and its stages' gradient sums, made now,
+    not inside the first trace of the training step: a ``tf.function`` that makes variables
+    is traced twice, and the step is the long trace."""
+    if not model.built or getattr(model, "optimizer", None) is None:
+        return
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+        update.place_optimizer(model.optimizer, model.devices[0])  # and what build made
+    model.build_gradient_sums()
+
+
 def finish_step(model: Any, data: Any, step: Gradients, variables: list[Any]) -> dict:
     """The end of ``model``'s training step once ``step`` (its gradients of ``variables``,
     loss-scaled, and loss, outputs and batch size, for the whole ``data``) is computed:
