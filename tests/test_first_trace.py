@@ -120,3 +120,23 @@ def test_replicated_pipeline_traces_its_step_once(cpu_devices, monkeypatch):
     rp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     assert len(count) == 1, f"the step was traced {len(count)} times"
     assert int(rp.optimizer.iterations) == 3
+
+
+def test_evaluate_traces_an_unbuilt_models_step_once(cpu_devices, monkeypatch):
+    count = []
+    original = tf_gpipe.PipelineModel.test_step
+
+    def counting(self, batch):
+        count.append(1)
+        return original(self, batch)
+
+    monkeypatch.setattr(tf_gpipe.PipelineModel, "test_step", counting)
+    x, y = data(N)
+    pm, seq = _pipeline(cpu_devices), _compiled(keras.Sequential(mlp_layers()))
+    got, want = (
+        pm.evaluate(x, y, batch_size=BATCH, verbose=0),
+        seq.evaluate(x, y, batch_size=BATCH, verbose=0),
+    )
+    assert len(count) == 1, f"the step was traced {len(count)} times"
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert not pm.optimizer.built  # evaluating makes no optimizer slots
