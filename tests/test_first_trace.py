@@ -140,3 +140,21 @@ def test_evaluate_traces_an_unbuilt_models_step_once(cpu_devices, monkeypatch):
     assert len(count) == 1, f"the step was traced {len(count)} times"
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert not pm.optimizer.built  # evaluating makes no optimizer slots
+
+
+@pytest.mark.parametrize("source", ["arrays", "dataset"])
+def test_predict_traces_an_unbuilt_models_step_once(cpu_devices, monkeypatch, source):
+    count = []
+    original = tf_gpipe.PipelineModel.predict_step
+
+    def counting(self, batch):
+        count.append(1)
+        return original(self, batch)
+
+    monkeypatch.setattr(tf_gpipe.PipelineModel, "predict_step", counting)
+    x, _ = data(2 * BATCH)  # whole batches: a partial one would be a trace of its own
+    pm, seq = _pipeline(cpu_devices), keras.Sequential(mlp_layers())
+    given = tf.data.Dataset.from_tensor_slices(x).batch(BATCH) if source == "dataset" else x
+    got = pm.predict(given, batch_size=None if source == "dataset" else BATCH, verbose=0)
+    assert len(count) == 1, f"the step was traced {len(count)} times"
+    np.testing.assert_allclose(got, seq.predict(x, batch_size=BATCH, verbose=0), rtol=1e-5, atol=1e-6)

@@ -406,6 +406,11 @@ class PipelineModel(keras.Model):
         with untaped():  # evaluate: the forward may be a loop
             return super().test_step(data)
 
+    def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.built and (spec := structure.inputs_spec(x)) is not None:
+            self.build_cells(spec)  # before Keras traces the step, as for fit
+        return super().predict(x, *args, **kwargs)
+
     def predict_step(self, data: Any) -> Any:
         with untaped():
             return super().predict_step(data)

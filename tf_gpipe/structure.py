@@ -47,6 +47,18 @@ def spec_from(structure: Any) -> Any:
     return tf.nest.map_structure(one, structure)
 
 
+def inputs_spec(data: Any) -> Any:
+    """The inputs' spec (KerasTensors) of ``predict``'s ``x``: arrays or tensors (nested), or
+    a ``tf.data.Dataset``'s element spec; None for data only running it would tell (a
+    generator, a ``PyDataset``)."""
+    if isinstance(data, tf.data.Dataset):
+        data = keras.utils.unpack_x_y_sample_weight(data.element_spec)[0]
+    leaves = tf.nest.flatten(data)
+    if not leaves or not all(hasattr(t, "shape") and hasattr(t, "dtype") for t in leaves):
+        return None
+    return spec_from(data)
+
+
 def separate_side_inputs(inputs: Any, side_inputs: tuple[str, ...]) -> tuple[Any, dict | None]:
     """A model's inputs as its main input and the dict of its ``side_inputs`` (None without)."""
     if not side_inputs:
