@@ -34,18 +34,24 @@ def _pipeline(cpu_devices, schedule="gpipe"):
     return _compiled(pm)
 
 
+def _counted(monkeypatch, owner, name):
+    """The calls of ``owner.name`` (a function, or a method of a class), counted: each is one
+    trace of Keras' step."""
+    count = []
+    original = getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        count.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return count
+
+
 @pytest.fixture
 def traces(monkeypatch):
     """How many times the training step was traced."""
-    count = []
-    original = trainer.train_step
-
-    def counting(model, batch):
-        count.append(1)
-        return original(model, batch)
-
-    monkeypatch.setattr(trainer, "train_step", counting)
-    return count
+    return _counted(monkeypatch, trainer, "train_step")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -105,14 +111,7 @@ def test_optimizer_slots_made_in_a_traced_step_are_lifted_out_of_it(cpu_devices,
 def test_replicated_pipeline_traces_its_step_once(cpu_devices, monkeypatch):
     """Data x pipeline replicas: the optimizer's slots, over every replica's weights, are made
     before the first trace too."""
-    count = []
-    original = trainer.finish_step
-
-    def counting(*args, **kwargs):
-        count.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "finish_step", counting)
+    count = _counted(monkeypatch, trainer, "finish_step")
     groups = [cpu_devices[0:2], cpu_devices[2:4]]
     rp = cluster.ReplicatedPipeline(mlp_layers, groups, input_shape=(None, 8), num_micro_batches=2)
     _compiled(rp)
@@ -123,14 +122,7 @@ def test_replicated_pipeline_traces_its_step_once(cpu_devices, monkeypatch):
 
 
 def test_evaluate_traces_an_unbuilt_models_step_once(cpu_devices, monkeypatch):
-    count = []
-    original = tf_gpipe.PipelineModel.test_step
-
-    def counting(self, batch):
-        count.append(1)
-        return original(self, batch)
-
-    monkeypatch.setattr(tf_gpipe.PipelineModel, "test_step", counting)
+    count = _counted(monkeypatch, tf_gpipe.PipelineModel, "test_step")
     x, y = data(N)
     pm, seq = _pipeline(cpu_devices), _compiled(keras.Sequential(mlp_layers()))
     got, want = (
@@ -144,14 +136,7 @@ def test_evaluate_traces_an_unbuilt_models_step_once(cpu_devices, monkeypatch):
 
 @pytest.mark.parametrize("source", ["arrays", "dataset"])
 def test_predict_traces_an_unbuilt_models_step_once(cpu_devices, monkeypatch, source):
-    count = []
-    original = tf_gpipe.PipelineModel.predict_step
-
-    def counting(self, batch):
-        count.append(1)
-        return original(self, batch)
-
-    monkeypatch.setattr(tf_gpipe.PipelineModel, "predict_step", counting)
+    count = _counted(monkeypatch, tf_gpipe.PipelineModel, "predict_step")
     x, _ = data(2 * BATCH)  # whole batches: a partial one would be a trace of its own
     pm, seq = _pipeline(cpu_devices), keras.Sequential(mlp_layers())
     given = tf.data.Dataset.from_tensor_slices(x).batch(BATCH) if source == "dataset" else x
