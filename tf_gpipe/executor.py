@@ -102,21 +102,19 @@ class _Stage:
         if kind == "W":  # what its B received, kept until now
             return self.weights_due.pop(m)
         rec, dy = self.records.pop(m), self.output_grads.pop(m)
-        loss_grads = []
-        if rec.losses:
-            if layer_loss_grads is None:
-                raise ValueError("tf_gpipe: layers added losses: StepLoss needs layer_loss_grads.")
-            loss_grads = [layer_loss_grads[m]] * len(rec.losses)
+        weight = None if layer_loss_grads is None else layer_loss_grads[m]
+        loss_grads = micro_batch_loop.layer_loss_grads(weight, len(rec.losses))
         if self.halves:
             self.weights_due[m] = (rec, dy, loss_grads)
         return rec, dy, loss_grads
 
     def start_sums(self, kind: str) -> None:
         """Zero the gradient sums before the stage's first addition to them."""
-        if self.summing and self._weight_half(kind) and self.summed is None:
+        if self.summing and self.weight_half(kind) and self.summed is None:
             self.summed = stage.functions(self.cell).sums.zero()
 
-    def _weight_half(self, kind: str) -> bool:
+    def weight_half(self, kind: str) -> bool:
+        """Whether ``kind`` (``B`` or ``W``) makes the weight gradients."""
         return kind == "W" or not self.halves
 
     def backward(self, kind: str, due: tuple, start: list[tf.Tensor], tracer: Any) -> tuple[list, list]:
@@ -124,15 +122,14 @@ class _Stage:
         ready: ``(input gradients, weight gradients kept apart)``; added to the sums, the
         weight gradients are not returned."""
         rec, dy, loss_grads = due
-        input_half, weight_half = kind == "B", self._weight_half(kind)
+        input_half, weight_half = kind == "B", self.weight_half(kind)
         variables = self.cell.trainable_variables if weight_half else []
         to_sums = self.summing and weight_half
-        first = self.first
         in_grads: list[Any] = []
         grads: list[Any] = []
         # Stage 0's input needs no gradient: its split B has nothing to compute.
-        if not (self.halves and input_half and first):
-            part = stage.Part(input_half and not first, weight_half, self.summed if to_sums else None)
+        if not (self.halves and input_half and self.first):
+            part = stage.Part(input_half and not self.first, weight_half, self.summed if to_sums else None)
             in_grads, result = remat.backward(
                 self.cell,
                 rec,
@@ -155,7 +152,8 @@ class _Stage:
         return in_grads, grads
 
     def totals(self) -> dict[int, Any]:
-        """{id(variable): its gradient over the mini-batch} for the stage's variables."""
+        """{id(variable): its gradient over the mini-batch} for the stage's variables: the
+        rows kept apart, combined, and the gradient sums read."""
         totals: dict[int, Any] = {}
         if self.specs is not None:
             free: frozenset[int] = frozenset()
@@ -166,6 +164,8 @@ class _Stage:
                 for v in variables:
                     if id(v) in self.rows:
                         totals[id(v)] = sparse.combine(self.rows[id(v)], id(v) in free)
+        if self.summed is not None:
+            totals.update(stage.functions(self.cell).sums.read(self.summed))
         return totals
 
 
@@ -353,12 +353,9 @@ def run_schedule(
         if s > 0 and action.kind == "B":
             stages[s - 1].output_grads[m] = in_grads
         with tf.device(cell.device):
-            token = st.summed if action.kind == "W" or not halves else None
+            token = st.summed if st.weight_half(action.kind) else None
             last[d] = mark("end " + tag, d, ordering.done(in_grads, token, grads) or start)
     totals: dict[int, Any] = {}
     for st in stages:
         totals.update(st.totals())
-    for st in stages:
-        if st.summed is not None:
-            totals.update(stage.functions(st.cell).sums.read(st.summed))
     return outputs, out_masks, totals, cell_losses, terms

@@ -75,6 +75,14 @@ class StepLoss(NamedTuple):
     layer_loss_grads: Sequence[tf.Tensor] | None = None
 
 
+def layer_loss_grads(weight: Any, n_losses: int) -> list[Any]:
+    """What each of the ``n_losses`` losses a stage's layers added in one micro-batch receives
+    (``StepLoss.layer_loss_grads`` of that micro-batch)."""
+    if n_losses and weight is None:
+        raise ValueError("tf_gpipe: layers added losses: StepLoss needs layer_loss_grads.")
+    return [weight] * n_losses
+
+
 def run(
     schedule: Any,
     cells: Sequence[Cell],
@@ -213,9 +221,7 @@ class _Step:
         gradients of its inputs."""
         cell = self.cells[s]
         weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
-        if n_losses and weight is None:
-            raise ValueError("tf_gpipe: layers added losses: StepLoss needs layer_loss_grads.")
-        loss_grads = [weight] * n_losses
+        loss_grads = layer_loss_grads(weight, n_losses)
         halves = self.halves
 
         def differentiate(go, input_grads, weight_grads):

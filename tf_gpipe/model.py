@@ -335,12 +335,14 @@ class PipelineModel(keras.Model):
         # trace make TensorFlow trace it twice); under a strategy, Keras' symbolic build does.
         skip = self.built or tf.distribute.has_strategy()
         data = None if skip else keras_compat.data_spec(iterator, data_batch)
-        if data is not None:
-            self.build_cells(structure.spec_from(keras.utils.unpack_x_y_sample_weight(data)[0]))
+        spec = None if data is None else structure.inputs_spec(keras.utils.unpack_x_y_sample_weight(data)[0])
+        if spec is not None:
+            self.build_cells(spec)
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def make_train_function(self, force: bool = False) -> Any:
-        trainer.make_state(self)  # the optimizer's slots too, before the first trace
+        if force or self.train_function is None:  # the optimizer's slots too, before the trace
+            trainer.make_state(self)
         return super().make_train_function(force)
 
     def get_build_config(self) -> dict:

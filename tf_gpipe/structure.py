@@ -48,9 +48,9 @@ def spec_from(structure: Any) -> Any:
 
 
 def inputs_spec(data: Any) -> Any:
-    """The inputs' spec (KerasTensors) of ``predict``'s ``x``: arrays or tensors (nested), or
-    a ``tf.data.Dataset``'s element spec; None for data only running it would tell (a
-    generator, a ``PyDataset``)."""
+    """The inputs' spec (KerasTensors) of data a model is given: arrays, tensors or their
+    specs (nested), or a ``tf.data.Dataset``'s element spec; None for data only running it
+    would tell (a generator, a ``PyDataset``)."""
     if isinstance(data, tf.data.Dataset):
         data = keras.utils.unpack_x_y_sample_weight(data.element_spec)[0]
     leaves = tf.nest.flatten(data)

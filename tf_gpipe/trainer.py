@@ -47,9 +47,7 @@ def make_state(model: Any) -> None:
     is traced twice, and the step is the long trace."""
     if not model.built or getattr(model, "optimizer", None) is None:
         return
-    if not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
-        update.place_optimizer(model.optimizer, model.devices[0])  # and what build made
+    update.build_optimizer(model.optimizer, model.trainable_variables, model.devices[0])
     model.build_gradient_sums()
 
 

@@ -66,6 +66,14 @@ def place_optimizer(optimizer: Any, home: str) -> None:
     place_optimizer(getattr(optimizer, "inner_optimizer", None), home)
 
 
+def build_optimizer(optimizer: Any, variables: Sequence[Any], home: str) -> None:
+    """Make ``optimizer``'s slots for ``variables`` now, before a step is traced, each beside
+    its variable, and its own scalars on ``home``."""
+    if not optimizer.built:
+        optimizer.build(list(variables))
+        place_optimizer(optimizer, home)  # what build made
+
+
 def apply(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any]) -> None:
     """``optimizer.apply_gradients(zip(grads, variables))``, each op beside its inputs."""
     if not tf.inside_function():  # eagerly, each update_step is already on its device

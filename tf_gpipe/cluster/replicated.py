@@ -92,9 +92,8 @@ class ReplicatedPipeline(keras.Model):
     def _build_training_state(self) -> None:
         # Before the first trace of the step, which would otherwise make them and be traced
         # twice (see trainer.make_state): in the order finish_step applies.
-        if not self.optimizer.built:
-            self.optimizer.build([v for replica in self.replicas for v in replica.trainable_variables])
-            update.place_optimizer(self.optimizer, self.replicas[0].devices[0])
+        variables = [v for replica in self.replicas for v in replica.trainable_variables]
+        update.build_optimizer(self.optimizer, variables, self.replicas[0].devices[0])
         for replica in self.replicas:
             replica.build_gradient_sums()
 
