@@ -5,13 +5,14 @@
 every kind of device; ``tf_gpipe.loop_choice``), they build the step, and its graph does
 not grow with M. Elsewhere (one micro-batch, a timeline, eager steps, GPipe with a taped
 recurrent stage, ``micro_batch_loops=False``) every (stage, micro-batch) forward and
-backward is built out, in an order
-consistent with the schedule, and each device's actions are chained with control
-dependencies so the device runs them in the schedule's order: that is what bounds the
-stashed activations of 1F1B to K per device, where plain dataflow would run every forward
-as early as it could. What a stage keeps from one of its actions to the next (each
-micro-batch's record, the gradients sent to it, its gradient sums) is its own (``_Stage``);
-the step passes each micro-batch's outputs on and its input gradients back.
+backward is built out, in an order consistent with the schedule, and each device's
+actions are chained with control dependencies so the device runs them in the schedule's
+order: that is what bounds the stashed activations of 1F1B to K per device, where plain
+dataflow would run every forward as early as it could. Both builders drive the same
+stages (``tf_gpipe.pipeline_stage``); built out, what a stage keeps from one of its
+actions to the next (each micro-batch's record, the gradients sent to it, its gradient
+sums) is the stage's, and the step passes each micro-batch's outputs on and its input
+gradients back.
 
 A split schedule (zb-h1) runs each backward as two actions, each its own stage-function
 call: ``B`` differentiates w.r.t. the stage input only (what the previous stage waits
@@ -33,9 +34,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import loop_choice, micro_batch_loop, ordering, remat, replay, sparse, stage
+from tf_gpipe import loop_choice, micro_batch_loop, ordering
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import MicroBatch, Split
+from tf_gpipe.pipeline_stage import PipelineStage
 
 __all__: list[str] = []
 
@@ -71,102 +73,6 @@ def _whole_batch_grads(schedule: Any, batch_loss: micro_batch_loop.BatchLossFn |
             "schedule='gpipe' for this loss."
         )
     return batch_loss(outputs, out_masks)
-
-
-class _Stage:
-    """One stage of a built-out step and what it keeps between its actions, as PyTorch's
-    ``PipelineStage`` does: each micro-batch's record from its forward to its backward (to
-    its ``W``, when split), the output gradients sent to it, the token of its latest addition
-    to its gradient sums, and the gradients it keeps apart (M = 1, rows)."""
-
-    def __init__(self, cell: Cell, first: bool, rematerialized: bool, halves: bool, summing: bool) -> None:
-        self.cell, self.first, self.rematerialized = cell, first, rematerialized
-        self.halves, self.summing = halves, summing  # split backward; M > 1: sums
-        self.records: dict[int, replay.Record] = {}
-        self.output_grads: dict[int, list[Any]] = {}
-        self.weights_due: dict[int, tuple[replay.Record, Any, list[Any]]] = {}
-        self.summed: tf.Tensor | None = None
-        self.rows: dict[int, list[Any]] = {}  # id(variable) -> its gradients, per micro-batch
-        self.specs: Any = None  # one micro-batch's (inputs, mask, side), as specs
-
-    def forward(self, m: int, mb: MicroBatch, deferred: Any) -> replay.Record:
-        rec = remat.forward(
-            self.cell, mb, self.rematerialized, deferred, persistent=self.halves, input_grads=not self.first
-        )
-        self.records[m] = rec
-        return rec
-
-    def due(self, m: int, kind: str, layer_loss_grads: Any) -> tuple[replay.Record, Any, list[Any]]:
-        """What micro-batch ``m``'s ``B`` (or ``W``) differentiates: its record, its output
-        gradients and the gradients of the losses its layers added."""
-        if kind == "W":  # what its B received, kept until now
-            return self.weights_due.pop(m)
-        rec, dy = self.records.pop(m), self.output_grads.pop(m)
-        weight = None if layer_loss_grads is None else layer_loss_grads[m]
-        loss_grads = micro_batch_loop.layer_loss_grads(weight, len(rec.losses))
-        if self.halves:
-            self.weights_due[m] = (rec, dy, loss_grads)
-        return rec, dy, loss_grads
-
-    def start_sums(self, kind: str) -> None:
-        """Zero the gradient sums before the stage's first addition to them."""
-        if self.summing and self.weight_half(kind) and self.summed is None:
-            self.summed = stage.functions(self.cell).sums.zero()
-
-    def weight_half(self, kind: str) -> bool:
-        """Whether ``kind`` (``B`` or ``W``) makes the weight gradients."""
-        return kind == "W" or not self.halves
-
-    def backward(self, kind: str, due: tuple, start: list[tf.Tensor], tracer: Any) -> tuple[list, list]:
-        """``B`` (the full backward, or its input half when split) or ``W``, once ``start`` is
-        ready: ``(input gradients, weight gradients kept apart)``; added to the sums, the
-        weight gradients are not returned."""
-        rec, dy, loss_grads = due
-        input_half, weight_half = kind == "B", self.weight_half(kind)
-        variables = self.cell.trainable_variables if weight_half else []
-        to_sums = self.summing and weight_half
-        in_grads: list[Any] = []
-        grads: list[Any] = []
-        # Stage 0's input needs no gradient: its split B has nothing to compute.
-        if not (self.halves and input_half and self.first):
-            part = stage.Part(input_half and not self.first, weight_half, self.summed if to_sums else None)
-            in_grads, result = remat.backward(
-                self.cell,
-                rec,
-                ordering.after(start, dy),
-                ordering.after(start, loss_grads),
-                True,
-                variables,
-                part,
-                tracer=tracer,
-            )
-            if to_sums:
-                self.summed, grads = result
-            else:
-                grads = result
-        for v, g in zip(variables, grads):
-            if g is not None:  # M = 1, or rows: kept apart, not summed into a dense tensor
-                self.rows.setdefault(id(v), []).append(g)
-        if self.specs is None:  # specs: an eager step must not keep the tensors alive
-            self.specs = sparse.relaxed_specs((rec.inputs, rec.mask, rec.side))
-        return in_grads, grads
-
-    def totals(self) -> dict[int, Any]:
-        """{id(variable): its gradient over the mini-batch} for the stage's variables: the
-        rows kept apart, combined, and the gradient sums read."""
-        totals: dict[int, Any] = {}
-        if self.specs is not None:
-            free: frozenset[int] = frozenset()
-            variables = self.cell.trainable_variables
-            if any(len(self.rows.get(id(v), [])) > 1 for v in variables):
-                free = sparse.batch_free(self.cell, *self.specs)
-            with tf.device(self.cell.device):
-                for v in variables:
-                    if id(v) in self.rows:
-                        totals[id(v)] = sparse.combine(self.rows[id(v)], id(v) in free)
-        if self.summed is not None:
-            totals.update(stage.functions(self.cell).sums.read(self.summed))
-        return totals
 
 
 def _sized(schedule: Any, cells: Sequence[Cell], split: Split) -> tuple[int, int]:
@@ -235,21 +141,14 @@ def run_forward(
     masks = list(masks)
     losses: list[list[tf.Tensor]] = [[] for _ in range(M)]
     sides = list(sides) if sides is not None else [None] * M
+    stages = [PipelineStage(c, s == 0, rematerializes(s), False, False) for s, c in enumerate(cells)]
     for action in schedule.topological_order():
         if action.kind != "F":
             continue
         s, m = action.stage, action.micro_batch
-        cell = cells[s]
         mb = MicroBatch(acts[m], masks[m], sides[m], split.nonempty(m), training)
         with tf.name_scope(f"stage{s}_mb{m}"):
-            if training and rematerializes(s):
-                acts[m], masks[m], extra = remat.rematerialized(cell, mb, deferred)
-            else:
-                # Training, an enclosing tape may differentiate the call: then the taped
-                # forward, whose gradient frees each activation once its layer's
-                # gradients are made (``tf_gpipe.gated``).
-                fns = stage.functions(cell)
-                acts[m], masks[m], extra, _ = fns.forward(mb, deferred, taped=bool(training))
+            acts[m], masks[m], extra = stages[s].call(mb, deferred)
         losses[m].extend(extra)
     if deferred is not None:
         deferred.apply()
@@ -301,7 +200,7 @@ def run_schedule(
         # 2K (or 3K) stage call sites whatever M, not one per action.
         return micro_batch_loop.run(schedule, cells, split, masks, rematerializes, sides, loss, deferred)
     halves = bool(getattr(schedule, "split_backward", False))
-    stages = [_Stage(c, s == 0, rematerializes(s), halves, M > 1) for s, c in enumerate(cells)]
+    stages = [PipelineStage(c, s == 0, rematerializes(s), halves, M > 1) for s, c in enumerate(cells)]
     acts, act_masks = list(split.chunks), list(masks)  # each micro-batch's latest stage output
     outputs: list[Any] = [None] * M
     out_masks: list[Any] = [None] * M
@@ -325,7 +224,7 @@ def run_schedule(
                 start = mark("start " + tag, d, last.get(d, []) + ordering.done(acts[m]))
                 x = ordering.after(start, acts[m])
                 mb = MicroBatch(x, act_masks[m], None if sides is None else sides[m], split.nonempty(m), True)
-                rec = st.forward(m, mb, deferred)
+                rec = st.records[m] = st.forward(mb, deferred)
             acts[m], act_masks[m] = rec.outputs, rec.out_mask
             cell_losses[m].extend(rec.losses)
             with tf.device(cell.device):
@@ -342,18 +241,27 @@ def run_schedule(
         if action.kind == "B" and m not in st.output_grads:  # the whole mini-batch's loss, once
             for i, g in enumerate(_whole_batch_grads(schedule, batch_loss, outputs, out_masks)):
                 stages[-1].output_grads[i] = g
-        due = st.due(m, action.kind, layer_loss_grads)
+        weights = st.weight_half(action.kind)
+        weight = None if layer_loss_grads is None else layer_loss_grads[m]
+        rec, dy, loss_grads = st.due(m, action.kind, weight)
         with tf.name_scope(f"stage{s}_mb{m}_{names[action.kind]}"), tf.device(cell.device):
-            deps = last.get(d, []) + ordering.done(due[1])
-            st.start_sums(action.kind)
+            deps = last.get(d, []) + ordering.done(dy)
+            if st.summing and weights and st.summed is None:  # before the stage's first addition
+                st.zero_sums()
             start = mark("start " + tag, d, deps)
-            in_grads, grads = st.backward(
-                action.kind, due, start, None if tracer is None else (tracer, d, tag)
-            )
+            in_grads: list[Any] = []
+            grads: list[Any] = []
+            # Stage 0's input needs no gradient: its split B has nothing to compute.
+            if not (halves and action.kind == "B" and s == 0):
+                in_grads, grads = st.backward(
+                    rec, dy, loss_grads, start, action.kind == "B", weights,
+                    None if tracer is None else (tracer, d, tag),
+                )  # fmt: skip
+            st.keep_apart(rec, grads)
         if s > 0 and action.kind == "B":
             stages[s - 1].output_grads[m] = in_grads
         with tf.device(cell.device):
-            token = st.summed if st.weight_half(action.kind) else None
+            token = st.summed if weights else None
             last[d] = mark("end " + tag, d, ordering.done(in_grads, token, grads) or start)
     totals: dict[int, Any] = {}
     for st in stages:

@@ -39,10 +39,11 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tf_gpipe import loop_state, ordering, remat, replay, sparse, stage
+from tf_gpipe import loop_state, ordering, replay, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import MicroBatch, Split
+from tf_gpipe.pipeline_stage import PipelineStage, layer_loss_grads
 from tf_gpipe.schedules import loop_waits
 
 __all__: list[str] = []
@@ -73,14 +74,6 @@ class StepLoss(NamedTuple):
     micro_loss: MicroLossFn | None = None
     targets: Sequence[Any] | None = None
     layer_loss_grads: Sequence[tf.Tensor] | None = None
-
-
-def layer_loss_grads(weight: Any, n_losses: int) -> list[Any]:
-    """What each of the ``n_losses`` losses a stage's layers added in one micro-batch receives
-    (``StepLoss.layer_loss_grads`` of that micro-batch)."""
-    if n_losses and weight is None:
-        raise ValueError("tf_gpipe: layers added losses: StepLoss needs layer_loss_grads.")
-    return [weight] * n_losses
 
 
 def run(
@@ -131,7 +124,7 @@ def forward(
     waits = [loop_waits.Wait("F", s, "F", s, 1) for s in range(len(cells))]
     with stage.inlined():
         step = _Step(waits, False, cells, split, masks, lambda s: True, sides, StepLoss(), deferred, training)
-        step.taped = taped
+        step.taped, step.forward_only = taped, True
         outputs, out_masks, _, cell_losses, _ = step.run()
     return outputs, out_masks, cell_losses
 
@@ -151,7 +144,8 @@ class _Step:
         training=True,
     ):
         self.cells, self.M = list(cells), len(split)
-        self.rematerializes, self.deferred = rematerializes, deferred
+        self.deferred = deferred
+        self.stages = [PipelineStage(c, s == 0, rematerializes(s), halves, True) for s, c in enumerate(cells)]
         self.halves, self.training, self.loss = halves, training, loss
         self.tokens = loop_state.Tokens(waits, cells)
         # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
@@ -172,12 +166,10 @@ class _Step:
         chunks = [(split.chunks[m], masks[m], sides[m], targets[m]) for m in range(M)]
         self.data, self.arrays = self._stacked(chunks, cells[0].device, self.relax)
         self.input_specs: dict[int, Any] = {}
-        # GPipe's loop of forwards: a taped stage's forward keeps what its backward reads
-        # (``tf_gpipe.stash``), how it reads it in ``plans``.
-        self.stashing = False
+        # How the backward half of a taped stage in GPipe's loops reads what its forward kept.
         self.plans: dict[int, Any] = {}
-        # A forward that a user's tape differentiates (``forward(..., taped=True)``).
-        self.taped = False
+        # A forward pass alone (``forward``), which a user's tape may differentiate (``taped``).
+        self.forward_only = self.taped = False
 
     def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list]:
         layout = loop_state.Layout(values[0], relax)
@@ -194,19 +186,11 @@ class _Step:
             x = ordering.after(self.tokens.before(state, now, "F", s), x)
             local = DeferredStats() if self.deferred is not None else None
             mb = MicroBatch(x, mask, side, self._nonempty(m, s), self.training)
-            if self.taped:
-                y, y_mask, losses = remat.rematerialized(cell, mb, local)
-                rec = remat.Record(inputs=x, mask=mask, outputs=y, out_mask=y_mask, losses=losses, side=side)
+            if self.forward_only:
+                y, y_mask, losses = self.stages[s].call(mb, local)
+                rec = replay.Record(inputs=x, mask=mask, outputs=y, out_mask=y_mask, losses=losses, side=side)
             else:
-                rec = remat.forward(
-                    cell,
-                    mb,
-                    self.rematerializes(s),
-                    local,
-                    persistent=self.halves,
-                    input_grads=s > 0,
-                    halves=self.stashing,
-                )
+                rec = self.stages[s].forward(mb, local)
             now["F", s] = loop_state.token(rec.outputs)
         self.input_specs.setdefault(s, sparse.relaxed_specs((rec.inputs, rec.mask, rec.side)))
         emit["losses", s] = ("each", cell.device, list(rec.losses))
@@ -219,34 +203,22 @@ class _Step:
     def backward(self, s, rec, dy, m, n_losses, state, now, emit):
         """Stage ``s``'s backward of micro-batch ``m`` (its B and W, when split); returns the
         gradients of its inputs."""
-        cell = self.cells[s]
+        cell, st = self.cells[s], self.stages[s]
         weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
         loss_grads = layer_loss_grads(weight, n_losses)
         halves = self.halves
-
-        def differentiate(go, input_grads, weight_grads):
-            """Once ``go`` is ready: the input gradients, and the weight gradients added to the sums."""
-            return remat.backward(
-                cell,
-                rec,
-                ordering.after(go, list(dy)),
-                ordering.after(go, loss_grads),
-                True,
-                cell.trainable_variables if weight_grads else [],
-                stage.Part(input_grads, weight_grads, state["sums", s][0] if weight_grads else None),
-            )
-
         with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):
+            st.summed = state["sums", s][0]
             go = self.tokens.before(state, now, "B", s)
             in_grads: list[Any] = []
             if not (halves and s == 0):  # stage 0's input needs no gradient: no B to run
-                in_grads, result = differentiate(go, s > 0, not halves)
+                in_grads, grads = st.backward(rec, dy, loss_grads, go, True, not halves)
             if halves:
                 now["B", s] = loop_state.token(in_grads) if s > 0 else loop_state.token(go, dy)
-                _, result = differentiate(self.tokens.before(state, now, "W", s), False, True)
-            token, grads = result
-            state["sums", s] = [token]
-            now["W" if halves else "B", s] = token
+                w_go = self.tokens.before(state, now, "W", s)
+                _, grads = st.backward(rec, dy, loss_grads, w_go, False, True)
+            state["sums", s] = [st.summed]
+            now["W" if halves else "B", s] = st.summed
         for i, g in enumerate(grads):
             if g is not None:  # rows: kept apart per micro-batch, not summed into a dense tensor
                 emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
@@ -256,7 +228,7 @@ class _Step:
         state = {}
         for s, cell in enumerate(self.cells):
             with tf.device(cell.device):
-                state["sums", s] = [stage.functions(cell).sums.zero(inline=True)]
+                state["sums", s] = [self.stages[s].zero_sums(inline=True)]
         return state
 
     # ---------------------------------------------------------------------------- the step
@@ -305,7 +277,8 @@ class _Step:
             self.tokens.advance(state, now)
             return emit
 
-        self.stashing = batch_loss is not None
+        for st in self.stages:  # GPipe's loop of forwards: a taped stage keeps what its backward reads
+            st.stashing = batch_loss is not None
         # TensorFlow's gradient of a taped loop runs as many iterations at once as the loop
         # may, and its replays carry no tokens: each stage could replay every micro-batch at
         # once and hold all their activations. K at a time is what K devices overlap.
@@ -404,6 +377,6 @@ class _Step:
                         tf.IndexedSlices(v, ix, shape) for v, ix in emitted.each(state, ("rows", s, i))
                     ]
                     totals[id(variables[i])] = sparse.combine(parts_i, id(variables[i]) in free)
-                token = parts[-1][1]["sums", s][0]
-                totals.update(stage.functions(cell).sums.read(token, inline=True))
+                self.stages[s].summed = parts[-1][1]["sums", s][0]
+                totals.update(self.stages[s].read_sums(inline=True))
         return list(outputs), list(out_masks), totals, cell_losses, terms

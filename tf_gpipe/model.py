@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from tf_gpipe import graph, keras_compat, microbatch, saving, schedules, stage, structure, trainer, update
+from tf_gpipe import graph, keras_compat, microbatch, saving, schedules, structure, trainer, update
 from tf_gpipe.backend import check_backend
 from tf_gpipe.balance import balance_by_cost
 from tf_gpipe.cell import Cell
@@ -369,14 +369,11 @@ class PipelineModel(keras.Model):
     def compile(self, *args: Any, jit_compile: Any = "auto", **kwargs: Any) -> None:
         """As ``keras.Model.compile``, with ``jit_compile`` applied stage by stage.
 
-        ``"auto"`` compiles a stage with XLA where Keras would compile a model (a
-        GPU or TPU is visible and every layer of the stage allows it), ``True``
-        compiles every stage that allows it (warning about any that does not),
-        ``False`` none. Each stage is its own XLA cluster on its own device; the
-        training step around them (schedule, loss, optimizer) is not compiled,
-        since one cluster would run every stage on one device. A stage that is not
-        re-materialized and holds a recurrent layer runs its forward in ``fit`` without
-        XLA (``tf_gpipe.stage``). The choice per stage is in ``stage_jit``.
+        ``"auto"`` compiles a stage with XLA where Keras would compile a model (a GPU or TPU
+        is visible and every layer of the stage allows it), ``True`` every stage that allows
+        it (warning about any that does not), ``False`` none; the choice per stage is in
+        ``stage_jit`` (docs/api.md). Each stage is its own XLA cluster on its own device; the
+        step around them is not compiled: one cluster would run every stage on one device.
         """
         if jit_compile not in ("auto", True, False):
             raise ValueError(f"tf_gpipe: jit_compile must be 'auto', True or False, got {jit_compile!r}.")
@@ -385,12 +382,6 @@ class PipelineModel(keras.Model):
         self.stage_jit = choose_jit(self._pipeline.cells, jit_compile, bool(kwargs.get("run_eagerly")))
         update.place_optimizer(self.optimizer, self.devices[0])
         trainer.make_state(self)
-
-    def build_gradient_sums(self) -> None:
-        """Each stage's variables that sum its gradients over micro-batches (M > 1)."""
-        if self.built and self.num_micro_batches > 1:
-            for cell in self._pipeline.cells:
-                stage.functions(cell).sums.variables(cell.trainable_variables)
 
     def get_compile_config(self) -> dict:
         config = super().get_compile_config()
@@ -452,13 +443,7 @@ class PipelineModel(keras.Model):
         return saving.to_sequential(self, name)
 
     def to_functional(self, name: str | None = None) -> keras.Model:
-        """After ``from_model``: an unsplit functional copy of the source model (its
-        graph, with copies of its layers), holding the current weights.
-
-        The copy's variables are its own (training this model afterwards leaves it as
-        it is), with the source's layer names; its ``get_weights()`` equals the source
-        model's (the functional order; this model lists its weights stage by stage).
-        It predicts what this model predicts, without device placement or
-        micro-batching, and saves and loads as any functional Keras model.
-        """
+        """After ``from_model``: an unsplit functional copy of the source model (its graph,
+        copies of its layers, variables of its own) holding the current weights, which predicts
+        what this model predicts and saves as any functional model (docs/api.md)."""
         return saving.to_functional(self, name)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, microbatch, ordering, schedules, structure, update
+from tf_gpipe import keras_compat, microbatch, ordering, schedules, stage, structure, update
 from tf_gpipe.executor import StepLoss, accumulate, run_schedule
 
 __all__: list[str] = []
@@ -48,7 +48,15 @@ def make_state(model: Any) -> None:
     if not model.built or getattr(model, "optimizer", None) is None:
         return
     update.build_optimizer(model.optimizer, model.trainable_variables, model.devices[0])
-    model.build_gradient_sums()
+    build_gradient_sums(model)
+
+
+def build_gradient_sums(model: Any) -> None:
+    """Each stage's variables that sum its gradients over micro-batches (M > 1), made before
+    the training step is traced."""
+    if model.built and model.num_micro_batches > 1:
+        for cell in model.cells:
+            stage.functions(cell).sums.variables(cell.trainable_variables)
 
 
 def finish_step(model: Any, data: Any, step: Gradients, variables: list[Any]) -> dict:

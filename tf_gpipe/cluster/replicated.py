@@ -95,7 +95,7 @@ class ReplicatedPipeline(keras.Model):
         variables = [v for replica in self.replicas for v in replica.trainable_variables]
         update.build_optimizer(self.optimizer, variables, self.replicas[0].devices[0])
         for replica in self.replicas:
-            replica.build_gradient_sums()
+            trainer.build_gradient_sums(replica)
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.replicas[0](inputs, training=training)
