@@ -28,8 +28,12 @@ micro-batches a 1F1B stage holds are the iterations in flight.
 
 What leaves an iteration (outputs, layer losses, loss terms, gradient rows,
 BatchNormalization moments, a GPipe stage's stash) has a structure known once the body is
-traced; ``_loop`` traces it once more for it, as a function never called: the stage
-functions' traces are shared, so that costs the glue only.
+traced; ``loop_state.emitting`` traces it once more for it, as a function never called: the
+stage functions' traces are shared, so that costs the glue only.
+
+Each stage's forward and backward of one micro-batch are those of ``executor``'s built-out
+step (``pipeline_stage.PipelineStage``); the loops carry, as loop variables, what a
+built-out stage keeps in Python between its actions (its gradient-sum token, GPipe's stash).
 """
 
 from __future__ import annotations
