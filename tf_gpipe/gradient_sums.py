@@ -69,9 +69,9 @@ class GradientSums:
     def zero(self, inline: bool = False) -> tf.Tensor:
         """Set the gradient sums to zero; returns a token that is ready once they are.
 
-        ``inline``: the ops go into the caller's graph, not into a function call (the
-        tick loops, whose tokens pass through loop variables, not straight from one call
-        to another: see the module docstring)."""
+        ``inline``: the ops go into the caller's graph, not into a function call (the loops
+        over micro-batches, whose tokens pass through loop variables, not straight from one
+        call to another: see the module docstring)."""
         if not self.variables(self.cell.trainable_variables):
             # Nothing to zero (a frozen stage). Called, a function whose body is one constant
             # is not found by TensorFlow's runtime in Keras' step ("Failed to find definition

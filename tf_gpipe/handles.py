@@ -2,15 +2,14 @@
 
 A stage function captures a resource handle for every variable it reads or writes (its
 weights, their gradient sums, seed-generator states, BatchNormalization statistics). Called
-inside the loops, it needs each of them in the ``tf.while_loop`` (and, in the
-tick-by-tick loops first built, in a ``tf.cond``): one input each, traced at every level (a placeholder per
-handle per nested graph) and, once TensorFlow lowers the loop to its frame ops, seven graph
-nodes each. With ~130 variables that was ~40% of the loop step's graph and most of what
-its first step cost over the built-out step's with one micro-batch
-(benchmarks/compiled_stages/README.md).
+inside the loops, it needs each of them in the ``tf.while_loop``: one input each, traced at
+every level (a placeholder per handle per nested graph) and, once TensorFlow lowers the loop
+to its frame ops, seven graph nodes each. With ~130 variables that would be ~40% of the loop
+step's graph and most of what its first step costs over the built-out step's with one
+micro-batch (benchmarks/compiled_stages/README.md).
 
 ``pack`` stacks the handles of each device into one tensor there, before the loop; inside
-the cond, ``unpack`` splits it again and ``replaced`` makes the stage-function calls in its
+the loop body, ``unpack`` splits it again and ``replaced`` makes the stage-function calls in its
 scope (``call``) take those tensors in place of the captured handles. Only CPU devices have
 a ``Pack`` kernel for resource handles, so handles on other devices (GPUs) stay as they
 are: one input each, as before.
