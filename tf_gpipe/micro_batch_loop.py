@@ -324,7 +324,7 @@ class _Step:
                         nonempty=nonempty,
                         side=side,
                         before=before,
-                        deferred=self.deferred is not None,
+                        pooled=self.deferred is not None,
                     )
                 dy = self.backward(s, rec, dy, m, n_losses[s], state, now, emit)
             self.tokens.advance(state, now)

@@ -55,7 +55,7 @@ def forward(
         outputs, out_mask, losses, before, kept, plan = stash.forward(cell, mb, deferred, input_grads)
         return Record(
             inputs=inputs, mask=mask, outputs=outputs, out_mask=out_mask, losses=losses, nonempty=nonempty,
-            side=side, before=before, deferred=deferred is not None, kept=kept, plan=plan,
+            side=side, before=before, pooled=deferred is not None, kept=kept, plan=plan,
         )  # fmt: skip
     with tf.device(cell.device):
         tape = None
@@ -85,7 +85,7 @@ def forward(
         nonempty=nonempty,
         side=side,
         before=before,
-        deferred=deferred is not None,
+        pooled=deferred is not None,
         split=symbolic and not remat,
     )
 
@@ -171,7 +171,7 @@ def backward(
     if record.tape is None:
         mb = MicroBatch(record.inputs, record.mask, record.side, record.nonempty, training)
         in_grads, cell_grads = stage.functions(cell).backward(
-            mb, record.deferred, record.before, list(output_grads), list(loss_grads), part, tracer
+            mb, record.pooled, record.before, list(output_grads), list(loss_grads), part, tracer
         )
         if to_sums:
             return in_grads, cell_grads

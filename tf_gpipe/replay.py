@@ -75,7 +75,7 @@ class Record:
     nonempty: tf.Tensor | None = None
     side: dict | None = None  # side inputs of this micro-batch (not differentiated)
     before: list[tf.Tensor] = field(default_factory=list)  # written variables' values, for the replay
-    deferred: bool = False
+    pooled: bool = False  # its forward pooled BatchNormalization moments (``DeferredStats``)
     # Taped, for a split schedule, in a graph: each half differentiates with ``tf.gradients``.
     split: bool = False
     # Taped as two halves (``tf_gpipe.stash``): what the gradient half reads, and how.

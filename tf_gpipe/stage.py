@@ -111,7 +111,7 @@ class StageFunctions:
         # Where fit's backward passes sum the stage's gradients, and the functions that zero,
         # add to and read them.
         self.sums = GradientSums(cell, eager)
-        # Per (training, deferred): the variables the forward writes, found while tracing.
+        # Per (training, whether it defers): the variables the forward writes, found while tracing.
         self._written: dict[tuple[Any, bool], list[Any]] = {}
         self._deferred_layers: dict[tuple[Any, bool], list[Any]] = {}
         # Keras' own step functions skip autograph too; reduce_retracing lets the smaller
@@ -200,8 +200,9 @@ class StageFunctions:
         return self._backward_inlined if is_inlined() else self._backward
 
     def _defers(self, deferred: Any, training: Any) -> bool:
-        """Whether a call defers BatchNormalization statistics: ``deferred`` (a
-        ``DeferredStats``, or a flag) is given, the call trains, and the stage has some."""
+        """Whether a call defers BatchNormalization statistics: ``deferred`` (a forward's
+        ``DeferredStats``, or a replay's ``pooled`` flag) is given, the call trains, and the
+        stage has some."""
         return bool(deferred) and bool(training) and bool(self.cell.batch_norms)
 
     def pooled_layers(self, training: Any = True) -> list[Any]:
@@ -267,7 +268,7 @@ class StageFunctions:
     def backward(
         self,
         mb: MicroBatch,
-        deferred: bool,
+        pooled: bool,
         before: list[tf.Tensor],
         output_grads: list[tf.Tensor | None],
         loss_grads: list[tf.Tensor | None],
@@ -275,8 +276,8 @@ class StageFunctions:
         tracer: Any = None,
     ) -> tuple[list[tf.Tensor | None], Any]:
         """Replay the stage on ``mb`` with the state its forward read (``before``: what its
-        writes overwrote; ``deferred``: whether that forward deferred its BatchNormalization
-        statistics), and differentiate the replay.
+        writes overwrote; ``pooled``: whether that forward pooled its BatchNormalization
+        moments), and differentiate the replay.
 
         Returns ``(input_grads, variable_grads)``: input grads follow
         ``tf.nest.flatten(mb.inputs)`` (None for non-float inputs), variable grads
@@ -290,7 +291,7 @@ class StageFunctions:
         and more compute than one full backward.
         """
         part = part.normalized()
-        defer = self._defers(deferred, mb.training)
+        defer = self._defers(pooled, mb.training)
         marker, fn = None, self._plain_backward()
         if tracer is not None:
             recorder, device, tag = tracer

@@ -74,10 +74,10 @@ def one_f_one_b(num_devices: int, num_micro_batches: int) -> Schedule:
     return _build("1f1b", K, M, 1, [_one_f_one_b_order(K, M, d) for d in range(K)])
 
 
-def _one_f_one_b_order(K: int, M: int, d: int, deferred: int | None = None) -> list[Action]:
-    """Device ``d``'s 1F1B order; with ``deferred`` set, the backward is split and
-    the W's, oldest first, run ``deferred`` B's behind them: none after the first
-    ``deferred`` B's, one after each later B, the last ``deferred`` at the end."""
+def _one_f_one_b_order(K: int, M: int, d: int, w_lag: int | None = None) -> list[Action]:
+    """Device ``d``'s 1F1B order; with ``w_lag`` set, the backward is split and
+    the W's, oldest first, run ``w_lag`` B's behind them: none after the first
+    ``w_lag`` B's, one after each later B, the last ``w_lag`` at the end."""
     warmup = min(K - d - 1, M)
     order = [Action("F", d, m) for m in range(warmup)]
     weights = 0  # W's placed so far, oldest backward first
@@ -85,10 +85,10 @@ def _one_f_one_b_order(K: int, M: int, d: int, deferred: int | None = None) -> l
         if warmup + i < M:
             order.append(Action("F", d, warmup + i))
         order.append(Action("B", d, i))
-        if deferred is not None and i >= deferred:
+        if w_lag is not None and i >= w_lag:
             order.append(Action("W", d, weights))
             weights += 1
-    if deferred is not None:
+    if w_lag is not None:
         order += [Action("W", d, m) for m in range(weights, M)]
     return order
 
@@ -121,7 +121,7 @@ def zb_h1(num_devices: int, num_micro_batches: int) -> Schedule:
     """
     _check_sizes(num_devices, num_micro_batches)
     K, M = num_devices, num_micro_batches
-    orders = [_one_f_one_b_order(K, M, d, deferred=d) for d in range(K)]
+    orders = [_one_f_one_b_order(K, M, d, w_lag=d) for d in range(K)]
     return _build("zb-h1", K, M, 1, orders, split=True)
 
 
