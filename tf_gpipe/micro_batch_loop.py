@@ -32,8 +32,9 @@ traced; ``loop_state.emitting`` traces it once more for it, as a function never 
 stage functions' traces are shared, so that costs the glue only.
 
 Each stage's forward and backward of one micro-batch are those of ``executor``'s built-out
-step (``pipeline_stage.PipelineStage``); the loops carry, as loop variables, what a
-built-out stage keeps in Python between its actions (its gradient-sum token, GPipe's stash).
+step (``pipeline_stage.PipelineStage``), and the stage says what a backward reads of its
+forward (``stash``); the loops carry, as loop variables, what a built-out stage keeps in
+Python between its actions (its gradient-sum token, GPipe's stash).
 """
 
 from __future__ import annotations
@@ -170,8 +171,6 @@ class _Step:
         chunks = [(split.chunks[m], masks[m], sides[m], targets[m]) for m in range(M)]
         self.data, self.arrays = self._stacked(chunks, cells[0].device, self.relax)
         self.input_specs: dict[int, Any] = {}
-        # How the backward half of a taped stage in GPipe's loops reads what its forward kept.
-        self.plans: dict[int, Any] = {}
         # A forward pass alone (``forward``), which a user's tape may differentiate (``taped``).
         self.forward_only = self.taped = False
 
@@ -271,11 +270,8 @@ class _Step:
             now, emit = {}, {}
             for s in range(S):
                 rec = self.forward(s, x, mask, side, m, state, now, emit)
-                if rec.plan is not None:  # what the backward half of a taped stage reads
-                    self.plans[s] = rec.plan
-                    emit["stash", s] = ("held", cells[s].device, list(rec.kept or []))
-                elif batch_loss is not None:  # what the backward loop replays
-                    emit["stash", s] = ("held", cells[s].device, (rec.inputs, rec.mask, rec.side, rec.before))
+                if batch_loss is not None:  # what the loop of backwards reads
+                    emit["stash", s] = ("held", cells[s].device, self.stages[s].stash(rec))
                 x, mask = rec.outputs, rec.out_mask
             emit["out",] = ("each", cells[-1].device, (x, mask))
             self.tokens.advance(state, now)
@@ -309,23 +305,7 @@ class _Step:
                     # Dropped as it is read, as the built-out step drops each record.
                     kept, state["stash", s] = stash[s].take(held, at, M)
                     kept = stash[s].expand(kept)
-                nonempty = self._nonempty(m, s)
-                if s in self.plans:
-                    plan = self.plans[s]
-                    rec = replay.Record(None, None, None, None, [], nonempty=nonempty, kept=kept, plan=plan)
-                else:
-                    x, mask, side, before = kept
-                    rec = replay.Record(
-                        inputs=x,
-                        mask=mask,
-                        outputs=None,
-                        out_mask=None,
-                        losses=[],
-                        nonempty=nonempty,
-                        side=side,
-                        before=before,
-                        pooled=self.deferred is not None,
-                    )
+                rec = self.stages[s].unstash(kept, self._nonempty(m, s), self.deferred is not None)
                 dy = self.backward(s, rec, dy, m, n_losses[s], state, now, emit)
             self.tokens.advance(state, now)
             return emit

@@ -12,7 +12,9 @@ For one micro-batch a stage has
 * ``call``: the same in a forward pass alone, which any enclosing tape may differentiate;
 * ``backward``: the input gradients, the weight gradients, or both (a split schedule's B and
   W halves), the weight gradients added to the stage's gradient sums after the previous
-  addition (``summed``, the sums' token), where the step sums them (M > 1).
+  addition (``summed``, the sums' token), where the step sums them (M > 1);
+* ``stash`` and ``unstash``: what a backward reads of its forward, as tensors, and back: what
+  GPipe's loop of forwards hands its loop of backwards.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class PipelineStage:
         self.weights_due: dict[int, tuple[replay.Record, Any, list[Any]]] = {}
         self.rows: dict[int, list[Any]] = {}  # id(variable) -> its gradients, per micro-batch
         self.specs: Any = None  # one micro-batch's (inputs, mask, side), as specs
+        # Stashing: how the backward half of the taped stage reads what its forward kept.
+        self.plan: Any = None
 
     # ---------------------------------------------------------------- one micro-batch
     def forward(self, mb: MicroBatch, deferred: Any) -> replay.Record:
@@ -141,6 +145,26 @@ class PipelineStage:
     def read_sums(self, inline: bool = False) -> dict[int, Any]:
         """``{id(variable): its summed gradient}``, read after the last addition."""
         return stage.functions(self.cell).sums.read(self.summed, inline=inline)
+
+    # ---------------------------------------------------------------- between two loops
+    def stash(self, record: replay.Record) -> Any:
+        """What the backward of ``record``'s micro-batch reads of it, as tensors a later loop
+        can be handed: what the gradient half of a taped stage reads (``tf_gpipe.stash``), or
+        the inputs and the state a replay reads."""
+        if record.plan is not None:
+            self.plan = record.plan
+            return list(record.kept or [])
+        return (record.inputs, record.mask, record.side, record.before)
+
+    def unstash(self, kept: Any, nonempty: Any, pooled: bool) -> replay.Record:
+        """The record ``stash`` handed on, for the backward (``pooled``: its forward pooled
+        BatchNormalization moments)."""
+        if self.plan is not None:
+            return replay.Record(None, None, None, None, [], nonempty=nonempty, kept=kept, plan=self.plan)
+        inputs, mask, side, before = kept
+        return replay.Record(
+            inputs, mask, None, None, [], nonempty=nonempty, side=side, before=before, pooled=pooled
+        )
 
     # ---------------------------------------------------------------- built out
     def due(self, m: int, kind: str, weight: Any) -> tuple[replay.Record, Any, list[Any]]:
