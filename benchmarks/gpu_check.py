@@ -29,7 +29,9 @@ Checks, in this order (the suite first: it says most, and a lease may end mid-wa
   without an ``Input``: built by the data) for M in ``--first_step_micro_batches`` (1, 8,
   32) per schedule (``--first_step_schedules``), and ``keras.Sequential``'s (XLA where
   Keras would use it); ok when the largest M takes at most 1.3x the smallest and 1.5x
-  ``keras.Sequential``. ``--child=first_step`` runs it alone, in this process;
+  ``keras.Sequential``; ``--first_step_repeats=2`` times each twice in the process, the second
+  with every kernel compiled (telling a GPU's PTX compilation from tracing and optimizing).
+  ``--child=first_step`` runs it alone, in this process;
 - ``overlap``: ``benchmarks/overlap/overlap.py`` (K=2 on two logical CPUs against plain
   Keras with the same micro-batches), short, with the GPU hidden: the host CPU's figures.
 """
@@ -54,6 +56,13 @@ flags.DEFINE_string("child", "", "Internal: run this one check in this process a
 flags.DEFINE_integer("timeout", 300, "Seconds each check may take (a device call runs 600 s at most).")
 flags.DEFINE_list("first_step_schedules", ["gpipe", "1f1b"], "Schedules the first_step check times.")
 flags.DEFINE_list("first_step_micro_batches", ["1", "8", "32"], "M values the first_step check times.")
+flags.DEFINE_integer(
+    "first_step_repeats",
+    1,
+    "Fresh models per (schedule, M), one after the other in the first_step process: the later "
+    "ones find every kernel the first compiled (on a GPU without its native kernels, from PTX); "
+    "the ratios use the last.",
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = ("suite", "example", "xla", "logical4", "first_step", "overlap")
@@ -136,7 +145,8 @@ def _first_step() -> dict:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     times = {}
     ms = [int(m) for m in FLAGS.first_step_micro_batches]
-    runs = [("gpipe", 1)] + [(name, m) for name in FLAGS.first_step_schedules for m in ms]
+    repeats = range(FLAGS.first_step_repeats)
+    runs = [("gpipe", 1)] + [(name, m) for name in FLAGS.first_step_schedules for m in ms for _ in repeats]
     for i, (name, m) in enumerate(runs):  # the first run pays the process' one-time costs: not kept
         extra = {"virtual_stages": 2} if name == "interleaved" else {}
         model = tf_gpipe.PipelineModel(
@@ -146,7 +156,7 @@ def _first_step() -> dict:
         start = time.perf_counter()
         model.train_on_batch(x, y)
         if i:
-            times[f"{name} M={m}"] = round(time.perf_counter() - start, 2)
+            times[f"{name} M={m}"] = round(time.perf_counter() - start, 2)  # the last repeat's
             print(f"first_step {name} M={m}: {times[f'{name} M={m}']} s", flush=True)
     seq = keras.Sequential([keras.Input((32,), dtype="int32"), *layers()])
     seq.compile(optimizer="adam", loss=loss)  # jit_compile="auto", as a user would
@@ -278,7 +288,8 @@ def _check(name: str) -> dict:
         return {"ok": rc == 0, "result": "\n".join(table) or out[-600:], "seconds": s}
     schedules = "--first_step_schedules=" + ",".join(FLAGS.first_step_schedules)
     ms = "--first_step_micro_batches=" + ",".join(FLAGS.first_step_micro_batches)
-    rc, out, s = _run([sys.executable, os.path.abspath(__file__), f"--child={name}", schedules, ms])
+    repeats = f"--first_step_repeats={FLAGS.first_step_repeats}"
+    rc, out, s = _run([sys.executable, os.path.abspath(__file__), f"--child={name}", schedules, ms, repeats])
     found = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if rc or not found:
         return {"ok": False, "result": out[-600:], "seconds": s}
