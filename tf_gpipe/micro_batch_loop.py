@@ -96,19 +96,10 @@ def run(
     row); else GPipe's two loops around ``loss.batch_loss``."""
     if loss.micro_loss is None:  # GPipe's loss reads the targets itself
         loss = loss._replace(targets=None)
+    halves = bool(getattr(schedule, "split_backward", False))
+    stages = [PipelineStage(c, s == 0, rematerializes(s), halves, True) for s, c in enumerate(cells)]
     with stage.inlined():
-        halves = bool(getattr(schedule, "split_backward", False))
-        return _Step(
-            loop_waits.waits(schedule),
-            halves,
-            cells,
-            split,
-            masks,
-            rematerializes,
-            sides,
-            loss,
-            deferred,
-        ).run()
+        return _Step(loop_waits.waits(schedule), stages, split, masks, sides, loss, deferred).run()
 
 
 def forward(
@@ -127,31 +118,23 @@ def forward(
     re-materialized (``remat.rematerialized``) and TensorFlow's gradient of the loop is a
     second loop replaying each stage; ``deferred`` pools BatchNormalization moments."""
     waits = [loop_waits.Wait("F", s, "F", s, 1) for s in range(len(cells))]
+    stages = [PipelineStage(c, s == 0, True, False, False) for s, c in enumerate(cells)]
     with stage.inlined():
-        step = _Step(waits, False, cells, split, masks, lambda s: True, sides, StepLoss(), deferred, training)
+        step = _Step(waits, stages, split, masks, sides, StepLoss(), deferred, training)
         step.taped, step.forward_only = taped, True
         outputs, out_masks, _, cell_losses, _ = step.run()
     return outputs, out_masks, cell_losses
 
 
 class _Step:
-    def __init__(
-        self,
-        waits,
-        halves,
-        cells,
-        split,
-        masks,
-        rematerializes,
-        sides,
-        loss,
-        deferred,
-        training=True,
-    ):
-        self.cells, self.M = list(cells), len(split)
+    """One step's loops over ``stages`` (``PipelineStage``s of one schedule), each stage's
+    actions in the order ``waits`` keeps."""
+
+    def __init__(self, waits, stages, split, masks, sides, loss, deferred, training=True):
+        self.stages, self.cells, self.M = stages, [st.cell for st in stages], len(split)
         self.deferred = deferred
-        self.stages = [PipelineStage(c, s == 0, rematerializes(s), halves, True) for s, c in enumerate(cells)]
-        self.halves, self.training, self.loss = halves, training, loss
+        self.halves, self.training, self.loss = stages[0].halves, training, loss
+        cells = self.cells
         self.tokens = loop_state.Tokens(waits, cells)
         # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
         # several, or unknown, they share a leading dimension of unknown size.
