@@ -137,11 +137,11 @@ def test_the_graph_resolves_every_kind_of_import():
 def test_both_step_builders_drive_one_stage_interface():
     """The step built out (``executor``) and as loops (``micro_batch_loop``) run a stage's
     forward and backward through ``pipeline_stage.PipelineStage`` only, not through
-    ``remat`` (a second path to keep in step with the first)."""
+    ``cell_pass`` (a second path to keep in step with the first)."""
     graph = import_graph(_sources())
     for builder in ("tf_gpipe.executor", "tf_gpipe.micro_batch_loop"):
         assert "tf_gpipe.pipeline_stage" in graph[builder]
-        assert "tf_gpipe.remat" not in graph[builder], f"{builder} runs stages without PipelineStage"
+        assert "tf_gpipe.cell_pass" not in graph[builder], f"{builder} runs stages without PipelineStage"
 
 
 def _private(name: str) -> bool:

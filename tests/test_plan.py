@@ -96,7 +96,7 @@ def test_profile_measures_each_layers_share_of_the_processors():
 
 
 def test_profile_times_the_backward_as_the_stages_take_it(monkeypatch):
-    """Gated, as ``remat.tape_gradients`` and ``tf_gpipe.gated`` take it (a Transformer
+    """Gated, as ``replay.tape_gradients`` and ``tf_gpipe.gated`` take it (a Transformer
     block's backward: 7.4-7.5 ms gated, 6.1-6.4 ungated); the kept bytes are read from an
     ungated trace, whose graph has no gating groups."""
     calls = []

@@ -13,7 +13,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
-from tf_gpipe import keras_compat, remat, stage
+from tf_gpipe import cell_pass, keras_compat, stage
 from tf_gpipe.microbatch import MicroBatch
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -267,7 +267,7 @@ def test_stage_outputs_carry_their_keras_mask():
     )
     x = tf.constant([[3, 5, 0], [7, 0, 0]])
     pm(x)
-    record = remat.forward(pm.cells[0], MicroBatch(x, training=True), remat=True)
+    record = cell_pass.forward(pm.cells[0], MicroBatch(x, training=True), remat=True)
     mask = keras_compat.get_keras_mask(record.outputs)
     assert mask is not None and np.array_equal(mask.numpy(), x.numpy() != 0)
     assert np.array_equal(record.out_mask.numpy(), x.numpy() != 0)
@@ -498,10 +498,10 @@ def test_replay_waits_for_the_output_gradient():
 
     @tf.function
     def step(x):
-        record = remat.forward(cell, MicroBatch(x, training=True), remat=True)
+        record = cell_pass.forward(cell, MicroBatch(x, training=True), remat=True)
         dy = tf.py_function(slow_gradient, [record.outputs], tf.float32)
         dy.set_shape(record.outputs.shape)
-        _, grads = remat.backward(cell, record, [dy], [], True, cell.trainable_variables)
+        _, grads = cell_pass.backward(cell, record, [dy], [], True, cell.trainable_variables)
         return grads
 
     grads = step(tf.ones((2, 3)))

@@ -20,7 +20,7 @@ for) and keeps the forward's record and the gradient it received; the later ``W`
 differentiates w.r.t. the weights only and adds them to the gradient sums. A
 re-materialized stage replays its forward in both (twice the recomputation of a full
 backward: simple and exact, not free); a stage on a tape keeps its record until W, which
-differentiates the taped call again, first-order (``remat.backward``).
+differentiates the taped call again, first-order (``cell_pass.backward``).
 
 ``run_forward`` builds the forward alone (``PipelineModel.__call__``, ``evaluate``,
 ``predict``): the schedule's ``F`` actions in its order, each micro-batch's forward

@@ -115,7 +115,7 @@ def forward(
     masks, the losses layers added)`` per micro-batch. Each stage's forwards in micro-batch
     order. Nothing differentiates it (``evaluate``, ``predict``), or, ``taped``, an
     enclosing tape may (``__call__`` in a custom training step): each stage call is then
-    re-materialized (``remat.rematerialized``) and TensorFlow's gradient of the loop is a
+    re-materialized (``cell_pass.rematerialized``) and TensorFlow's gradient of the loop is a
     second loop replaying each stage; ``deferred`` pools BatchNormalization moments."""
     waits = [loop_waits.Wait("F", s, "F", s, 1) for s in range(len(cells))]
     stages = [PipelineStage(c, s == 0, True, False, False) for s, c in enumerate(cells)]

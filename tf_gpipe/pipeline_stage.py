@@ -8,7 +8,7 @@ forward to its backward; ``micro_batch_loop`` calls each stage once per loop ite
 the record at hand in the same iteration (or held in a TensorList between GPipe's two loops).
 For one micro-batch a stage has
 
-* ``forward``: its cell on the micro-batch, re-materialized or taped (``tf_gpipe.remat``);
+* ``forward``: its cell on the micro-batch, re-materialized or taped (``tf_gpipe.cell_pass``);
 * ``call``: the same in a forward pass alone, which any enclosing tape may differentiate;
 * ``backward``: the input gradients, the weight gradients, or both (a split schedule's B and
   W halves), the weight gradients added to the stage's gradient sums after the previous
@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import ordering, remat, replay, sparse, stage
+from tf_gpipe import cell_pass, ordering, replay, sparse, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import MicroBatch
 
@@ -79,7 +79,7 @@ class PipelineStage:
     def forward(self, mb: MicroBatch, deferred: Any) -> replay.Record:
         """The cell on micro-batch ``mb``, its variable updates applied once; BatchNormalization
         moments pooled into ``deferred`` where given. The record is what its backward reads."""
-        return remat.forward(
+        return cell_pass.forward(
             self.cell,
             mb,
             self.rematerialized,
@@ -92,11 +92,11 @@ class PipelineStage:
     def call(self, mb: MicroBatch, deferred: Any) -> tuple[Any, Any, list[tf.Tensor]]:
         """The cell on ``mb`` in a forward pass alone (``__call__``, ``evaluate``, ``predict``):
         ``(outputs, their Keras mask, the losses its layers added)``. Training, an enclosing tape
-        may differentiate it: re-materialized where the stage is (``remat.rematerialized``), else
+        may differentiate it: re-materialized where the stage is (``cell_pass.rematerialized``), else
         its taped forward, whose gradient frees each activation once its layer's gradients are
         made (``tf_gpipe.gated``)."""
         if mb.training and self.rematerialized:
-            return remat.rematerialized(self.cell, mb, deferred)
+            return cell_pass.rematerialized(self.cell, mb, deferred)
         fns = stage.functions(self.cell)
         outputs, out_mask, losses, _ = fns.forward(mb, deferred, taped=bool(mb.training))
         return outputs, out_mask, losses
@@ -118,7 +118,7 @@ class PipelineStage:
         ``tracer``: a timeline's ``(Recorder, device, tag)``."""
         to_sums = self.summing and weights
         part = stage.Part(inputs and not self.first, weights, self.summed if to_sums else None)
-        in_grads, result = remat.backward(
+        in_grads, result = cell_pass.backward(
             self.cell,
             record,
             ordering.after(start, list(output_grads)),

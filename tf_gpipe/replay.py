@@ -10,7 +10,7 @@ exactly what the forward read, draws the same random numbers and changes nothing
     replay:   read v0 ─► cell ─► write dropped                 (same masks, same statistics)
 
 The stage functions (``tf_gpipe.stage``, ``tf_gpipe.gated``) build on these pieces, and
-``tf_gpipe.remat`` drives them; this module imports neither, so both can import it.
+``tf_gpipe.cell_pass`` drives them; this module imports neither, so both can import it.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def gradient_function(op: tf.Operation) -> Callable[..., Any] | None:
     """The gradient function a graph op carries itself, or None if it has none.
 
     A function-call op made by ``ConcreteFunction._call_flat`` in a graph carries its
-    own gradient, which ``tf_gpipe.remat`` wraps to differentiate the call twice at first
+    own gradient, which ``tf_gpipe.cell_pass`` wraps to differentiate the call twice at first
     order. Uses ``Operation._gradient_function``.
     """
     if not hasattr(op, "_gradient_function"):

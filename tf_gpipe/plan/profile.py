@@ -193,7 +193,7 @@ def _taped_step(
         sources = watched + (list(layer.trainable_variables) if weight_grads else [])
         grads = []  # nothing to differentiate, or nothing to differentiate by
         if flat and sources:
-            # As the stages differentiate (``remat.tape_gradients``, ``tf_gpipe.gated``):
+            # As the stages differentiate (``replay.tape_gradients``, ``tf_gpipe.gated``):
             # tf.gradients gated, each op handing on its gradients together. Measured on a
             # Transformer block (n = 64): its backward 7.4-7.5 ms gated, as a separate call
             # too, against 6.1-6.4 ms ungated.

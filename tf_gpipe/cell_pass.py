@@ -1,4 +1,4 @@
-"""One (cell, micro-batch) forward and backward: re-materialized, or on a tape.
+"""A cell's forward and backward pass on one micro-batch: re-materialized, or on a tape.
 
 Keras layers change state while they run: a Dropout draws its mask from a
 SeedGenerator whose state variable advances, BatchNormalization moves its
