@@ -144,7 +144,7 @@ def peaks():
 
 def test_1f1b_peak_memory_is_flat_in_m_without_a_timeline(peaks):
     """1F1B holds at most K - d stashes on device d, however many micro-batches there are.
-    Only the executor's per-device control dependencies enforce that order when no timeline
+    Only the engine's per-device control dependencies enforce that order when no timeline
     recorder runs (the recorder's markers would serialize each device on their own)."""
     stash = _1F1B["rows"] * _1F1B["width"] * 4  # one micro-batch's activation between two stages
     at4, at8 = peaks["1f1b"]

@@ -128,18 +128,18 @@ def test_no_module_imports_the_package_inside_a_function():
 
 def test_the_graph_resolves_every_kind_of_import():
     graph = import_graph(_sources())
-    assert "tf_gpipe.micro_batch_loop" in graph["tf_gpipe.executor"]  # from tf_gpipe import micro_batch_loop
+    assert "tf_gpipe.micro_batch_loop" in graph["tf_gpipe.engine"]  # from tf_gpipe import micro_batch_loop
     assert "tf_gpipe.balance" in graph["tf_gpipe.model"]  # from tf_gpipe.balance import ...
     assert "tf_gpipe.balance.profile" in graph["tf_gpipe.balance"]  # the package's __init__
     assert len(graph) > 40
 
 
 def test_both_step_builders_drive_one_stage_interface():
-    """The step built out (``executor``) and as loops (``micro_batch_loop``) run a stage's
+    """The step built out (``engine``) and as loops (``micro_batch_loop``) run a stage's
     forward and backward through ``pipeline_stage.PipelineStage`` only, not through
     ``cell_pass`` (a second path to keep in step with the first)."""
     graph = import_graph(_sources())
-    for builder in ("tf_gpipe.executor", "tf_gpipe.micro_batch_loop"):
+    for builder in ("tf_gpipe.engine", "tf_gpipe.micro_batch_loop"):
         assert "tf_gpipe.pipeline_stage" in graph[builder]
         assert "tf_gpipe.cell_pass" not in graph[builder], f"{builder} runs stages without PipelineStage"
 

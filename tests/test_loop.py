@@ -1,5 +1,5 @@
 """GPipe's training step as loops over micro-batches (tf_gpipe.micro_batch_loop): the
-executor's results, 2K stage-function call sites whatever M, no barrier between stages."""
+engine's built-out results, 2K stage-function call sites whatever M, no barrier between stages."""
 
 import functools
 import re
@@ -54,9 +54,9 @@ def _fit(make_layers, x, y, use_loop, monkeypatch, **kwargs):
 
 
 @pytest.mark.parametrize("case", ["tokens", "side_inputs"])
-def test_loop_gives_the_executors_results(case, monkeypatch):
+def test_loop_gives_the_built_out_steps_results(case, monkeypatch):
     """Loss, weights, BatchNormalization statistics and optimizer state after two epochs of
-    uneven and padded micro-batches equal those of the executor's built-out step."""
+    uneven and padded micro-batches equal those of the engine's built-out step."""
     if case == "tokens":
         make, (x, y), kwargs = _token_layers, _token_data(), dict(num_stages=3)
     else:
@@ -197,7 +197,7 @@ def test_the_default_loops_on_cpus(cpu_devices, monkeypatch):
     ],
 )
 def test_other_steps_are_built_out(kwargs, monkeypatch):
-    """With ``micro_batch_loops=False``, or at M=1 (nothing to loop over), the executor
+    """With ``micro_batch_loops=False``, or at M=1 (nothing to loop over), the engine
     builds every action."""
     assert not _uses_loop(monkeypatch, **kwargs)
 

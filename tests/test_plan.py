@@ -160,7 +160,7 @@ def test_a_stage_holds_the_layers_before_the_one_whose_backward_runs():
     assert stage.taped_forward_bytes == max(100, 150 + 100)  # the taped forward: kept so far + output
 
 
-def test_a_split_backward_is_priced_as_the_executor_runs_it():
+def test_a_split_backward_is_priced_as_the_engine_runs_it():
     # zb-h1's W differentiates w.r.t. the weights only, from the tape (or its own replay): it
     # runs again the backward of every layer above the stage's lowest layer with weights.
     # Per example: full backward, input half, weight half; the bottom layer has no weights.

@@ -1,5 +1,5 @@
 """Which steps and forward passes are built as loops over micro-batches
-(``tf_gpipe.micro_batch_loop``), and which one call per action (``tf_gpipe.executor``).
+(``tf_gpipe.micro_batch_loop``), and which one call per action (``tf_gpipe.engine``).
 
 The loops need a graph being built, two or more micro-batches of dense tensors, an order
 each device can keep across micro-batches, and, where a user's tape differentiates the

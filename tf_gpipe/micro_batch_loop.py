@@ -31,7 +31,7 @@ BatchNormalization moments, a GPipe stage's stash) has a structure known once th
 traced; ``loop_state.emitting`` traces it once more for it, as a function never called: the
 stage functions' traces are shared, so that costs the glue only.
 
-Each stage's forward and backward of one micro-batch are those of ``executor``'s built-out
+Each stage's forward and backward of one micro-batch are those of ``engine``'s built-out
 step (``pipeline_stage.PipelineStage``), and the stage says what a backward reads of its
 forward (``stash``); the loops carry, as loop variables, what a built-out stage keeps in
 Python between its actions (its gradient-sum token, GPipe's stash).
@@ -91,7 +91,7 @@ def run(
     loss: StepLoss,
     deferred: DeferredStats | None,
 ) -> tuple[list[Any], list[Any], dict[int, Any], list[list[tf.Tensor]], list[list[Any]]]:
-    """Build one step of ``schedule``; arguments and results as ``executor.run_schedule``'s.
+    """Build one step of ``schedule``; arguments and results as ``engine.run_schedule``'s.
     With ``loss.micro_loss`` one loop, the loss terms summed over the micro-batches (one
     row); else GPipe's two loops around ``loss.batch_loss``."""
     if loss.micro_loss is None:  # GPipe's loss reads the targets itself

@@ -140,7 +140,7 @@ def split(structure: Any, num_micro_batches: int, multiple_of: int = 1) -> Split
       is given a copy of the batch's last example ("pad and discard").
 
     A padded micro-batch has size 0 in ``Split.sizes``; ``Split.nonempty`` tells
-    the executor to discard its side effects and gradients, and ``Split.merge``
+    the engine to discard its side effects and gradients, and ``Split.merge``
     drops its outputs. An empty mini-batch (``n == 0``) stays empty: every
     micro-batch is empty, as the unsplit model's batch would be.
     """

@@ -1,7 +1,7 @@
 """Order between a pipeline's actions: each waits for what it must, and for nothing else.
 
-The executor and the loops chain each device's actions in the schedule's order, with
-control dependencies on tensors, not on ops: the next action's inputs are re-issued
+The engine's step, built out or as loops, chains each device's actions in the schedule's
+order, with control dependencies on tensors, not on ops: the next action's inputs are re-issued
 (``after``) so that they wait for what the previous action made ready (``done``)::
 
     F0@s0 ─► done(outputs) ─► after(start, x) ─► F1@s0

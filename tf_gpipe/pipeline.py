@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import executor, schedules
+from tf_gpipe import engine, schedules
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import Split
@@ -61,7 +61,7 @@ class Pipeline:
         schedule ``fit`` runs: nothing here runs a backward for another order to interleave.
         """
         schedule = schedules.gpipe(len(self.cells), len(split))
-        return executor.run_forward(
+        return engine.run_forward(
             schedule,
             self.cells,
             split,

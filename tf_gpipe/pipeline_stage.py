@@ -2,7 +2,7 @@
 what it keeps between them.
 
 Both ways of building the step drive stages through this one interface, as PyTorch's
-schedules drive a ``PipelineStage``: ``executor.run_schedule`` calls a stage once per action
+schedules drive a ``PipelineStage``: ``engine.run_schedule`` calls a stage once per action
 of the schedule, in the schedule's order, and keeps each micro-batch's record here from its
 forward to its backward; ``micro_batch_loop`` calls each stage once per loop iteration, with
 the record at hand in the same iteration (or held in a TensorList between GPipe's two loops).

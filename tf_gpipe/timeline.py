@@ -1,6 +1,6 @@
 """Record what each device did during a real training step, and draw it.
 
-The executor inserts a host-side marker (a ``tf.py_function`` that reads the
+The engine inserts a host-side marker (a ``tf.py_function`` that reads the
 clock) before and after every action, and after each recomputation; the
 markers sit in the device's control-dependency chain, so they see the real
 order and timing. Markers add a host round trip per action: use them to look

@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import keras_compat, microbatch, ordering, schedules, stage, structure, update
-from tf_gpipe.executor import StepLoss, accumulate, run_schedule
+from tf_gpipe.engine import StepLoss, accumulate, run_schedule
 
 __all__: list[str] = []
 

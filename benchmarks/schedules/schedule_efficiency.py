@@ -77,7 +77,7 @@ flags.DEFINE_integer("k", 4, "Internal (child): K.")
 
 
 def _costs(schedule, f: float, b: float, w: float, remat: str, split_layer: bool):
-    """``simulate`` arguments: per-stage forward, full-backward and W costs of what the executor runs.
+    """``simulate`` arguments: per-stage forward, full-backward and W costs of what the engine runs.
 
     A re-materialized backward replays the forward first; a split schedule replays it in
     B and again in W. With ``SplitSerialWork`` stage 0's input-gradient half never runs

@@ -3,7 +3,7 @@
 Time: each stage's forward and backward are the sums of its layers' (a re-materialized
 stage's backward adds its forward again), and the schedule's simulation
 (``Schedule.simulate``) gives the step time and bubble. A split schedule's (zb-h1) B and W
-are priced as the executor runs them: B differentiates w.r.t. the stage input only, W
+are priced as the engine runs them: B differentiates w.r.t. the stage input only, W
 w.r.t. the weights only, each from the forward's tape or its own replay; so W computes
 again the gradients of the activations above the stage's lowest layer with weights (it
 needs them, and B did not keep them), and each replays the forward when re-materialized

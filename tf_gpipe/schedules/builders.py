@@ -30,7 +30,7 @@ def _check_sizes(num_devices: int, num_micro_batches: int, virtual_stages: int =
 
 def _build(name: str, K: int, M: int, v: int, orders: list[list[Action]], split: bool = False) -> Schedule:
     schedule = Schedule(name, K, M, v, orders, split)
-    # Cheap, and catches a constructor bug here rather than as a hung executor.
+    # Cheap, and catches a constructor bug here rather than as a hung step.
     schedule.validate()
     return schedule
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair
 
 import tf_gpipe
-from tf_gpipe import executor, microbatch, schedules, trainer
+from tf_gpipe import engine, microbatch, schedules, trainer
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -259,7 +259,7 @@ def test_zb_h1_chains_each_action_after_the_previous_one_on_its_device(remat):
 @pytest.mark.parametrize("K,M,v", [(3, 3, 1), (2, 4, 2)])
 def test_call_builds_the_schedules_forwards_in_its_order_on_their_devices(K, M, v):
     """``__call__`` under a tape builds each (stage, micro-batch) forward once, in the order of
-    the GPipe schedule over every cell (``executor.run_forward``), each on its cell's device:
+    the GPipe schedule over every cell (``engine.run_forward``), each on its cell's device:
     re-materialized stages and the taped last one alike."""
     kwargs = {"schedule": "interleaved", "virtual_stages": v} if v > 1 else {}
     pm = tf_gpipe.PipelineModel(
@@ -290,13 +290,13 @@ def test_call_builds_the_schedules_forwards_in_its_order_on_their_devices(K, M, 
 
 
 def test_a_schedule_for_another_shape_is_refused():
-    """The executor builds a step, or a forward, only from a schedule for as many stages and
+    """The engine builds a step, or a forward, only from a schedule for as many stages and
     micro-batches as the model has."""
     pm = tf_gpipe.PipelineModel(mlp_layers(depth=3), num_stages=2, num_micro_batches=2)
     pm.build((None, 8))
     split = microbatch.split(tf.zeros([4, 8]), 2)
     wrong = schedules.get("gpipe", 2, 3)
     with pytest.raises(ValueError, match=r"is for 2 stages x 3 micro-batches, the model has 2 x 2"):
-        executor.run_schedule(wrong, pm.cells, split, [None, None], pm.pipeline.rematerializes)
+        engine.run_schedule(wrong, pm.cells, split, [None, None], pm.pipeline.rematerializes)
     with pytest.raises(ValueError, match=r"is for 2 stages x 3 micro-batches, the model has 2 x 2"):
-        executor.run_forward(wrong, pm.cells, split, [None, None], False, pm.pipeline.rematerializes)
+        engine.run_forward(wrong, pm.cells, split, [None, None], False, pm.pipeline.rematerializes)

@@ -1,4 +1,4 @@
-"""Turn a schedule (plain data) into ops: one training step, or a forward pass alone.
+"""The engine: a schedule (plain data) turned into ops, one training step or a forward pass alone.
 
 ``run_schedule`` builds ``fit``'s step. Where the loops over micro-batches apply
 (``tf_gpipe.micro_batch_loop``: M >= 2, every schedule, dense inputs, no timeline, on
