@@ -177,32 +177,21 @@ def _model(schedule: str, remat: str, m: int, devices):
 
     keras.utils.set_random_seed(0)
     loops = {"auto": "auto", "true": True, "false": False}[FLAGS.micro_batch_loops]
+    pipelined = dict(
+        num_stages=STAGES,
+        num_micro_batches=m,
+        devices=devices,
+        remat=remat,
+        schedule=schedule,
+        virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else 1,
+        micro_batch_loops=loops,
+    )
     if FLAGS.model == "vit":
-        model = _vit()
-        if m:
-            model = tf_gpipe.PipelineModel.from_model(
-                model,
-                num_stages=STAGES,
-                num_micro_batches=m,
-                devices=devices,
-                remat=remat,
-                schedule=schedule,
-                virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else 1,
-                micro_batch_loops=loops,
-            )
+        model = tf_gpipe.PipelineModel.from_model(_vit(), **pipelined) if m else _vit()
     elif m == 0:
         model = keras.Sequential(_layers())
     else:
-        model = tf_gpipe.PipelineModel(
-            _layers(),
-            num_stages=STAGES,
-            num_micro_batches=m,
-            devices=devices,
-            remat=remat,
-            schedule=schedule,
-            virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else 1,
-            micro_batch_loops=loops,
-        )
+        model = tf_gpipe.PipelineModel(_layers(), **pipelined)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile="auto")
     return model
