@@ -80,6 +80,38 @@ def test_call_under_tape_reuses_the_traces(stage_traces):
     assert all(t["backward"] >= 1 for t in first)
 
 
+def test_the_loops_never_call_a_taped_forward_traced_outside_them():
+    """Inlined in the loops, a stage's forward orders itself: its reads wait for its inputs and
+    its outputs for its writes (``stage.inlined``), so that the next micro-batch's dropout draws
+    after this one's draw is written. A taped forward traced first for ``__call__`` under a
+    user's tape, without those orders, was the one ``fit``'s loops then called: the step then
+    differed from the built-out one now and then (a race on the seed's state)."""
+    keras.utils.set_random_seed(3)
+    layers = [keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dropout(0.5), keras.layers.Dense(16)]
+    layers += [keras.layers.Dropout(0.5), keras.layers.Dense(2)]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=2, num_micro_batches=4, remat="never", schedule="1f1b")
+    pm.compile(optimizer="sgd", loss="mse")
+    x = np.random.RandomState(0).randn(8, 8).astype("float32")
+
+    @tf.function
+    def grads(x):
+        with tf.GradientTape() as tape:
+            out = pm(x, training=True)
+        return tape.gradient(out, pm.trainable_variables)
+
+    grads(tf.constant(x))
+    pm.train_on_batch(x, np.ones((8, 2), "float32"))  # as loops over micro-batches
+    assert isinstance(pm.cells[1].layers[0], keras.layers.Dropout)
+    with stage.inlined():  # the function the loops call for stage 1, and its trace for them
+        fn, args = stage.functions(pm.cells[1]).taped_call(
+            MicroBatch(tf.TensorSpec([2, 16], tf.float32), training=True), None, True
+        )
+        graph = fn.get_concrete_function(*args).graph
+    inputs = graph.inputs[0].op
+    reads = [op for op in graph.get_operations() if op.type == "ReadVariableOp"]
+    assert reads and all(inputs in op.control_inputs for op in reads)
+
+
 def _step_graph(pm, x_spec):
     """The GraphDef of ``pm``'s (a compiled PipelineModel's) training step, traced for ``x_spec``."""
     pm.build(x_spec.shape)
@@ -282,7 +314,7 @@ def _compiled_with_xla(model):
         fns = stage.functions(cell)
         concrete = [
             cf
-            for fn in (fns._forward, fns._forward_inlined, fns._forward_taped)
+            for fn in (fns._forward, fns._forward_inlined, fns._forward_taped, fns._forward_taped_inlined)
             for cf in fn._list_all_concrete_functions()
         ]
         assert concrete, "the stage's forward was never traced"

@@ -133,16 +133,15 @@ class StageFunctions:
         # cannot leave an XLA function ("TensorList crossing the XLA/TF boundary"), so the
         # first step failed. The stage's other functions keep XLA (a replay differentiates
         # its loop inside the function).
-        self._forward_taped = tf.function(
-            self._forward_taped_body,
-            jit_compile=jit_compile and not runs_loops(cell),
-            reduce_retracing=True,
-            autograph=False,
-        )
+        taped = dict(jit_compile=jit_compile and not runs_loops(cell), reduce_retracing=True, autograph=False)
+        self._forward_taped = tf.function(self._forward_taped_body, **taped)
         self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
-        # The same two, for ``inlined()`` callers. (An XLA function is never inlined.)
+        # The same three, for ``inlined()`` callers (an XLA function is never inlined): their
+        # bodies order themselves (``_run_forward``, ``_backward_body``), so a trace made for
+        # one kind of caller is never the other's.
         inline = dict(reduce_retracing=True, autograph=False)
         self._forward_inlined = tf.function(self._forward_body, jit_compile=jit_compile, **inline)
+        self._forward_taped_inlined = tf.function(self._forward_taped_body, **taped)
         self._backward_inlined = tf.function(self._backward_body, jit_compile=jit_compile, **inline)
         # Timeline markers are host callbacks, which XLA cannot compile.
         self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
@@ -150,6 +149,7 @@ class StageFunctions:
             self._forward, self._forward_taped = self._forward_body, self._forward_taped_body
             self._backward = self._backward_marked = self._backward_body
             self._forward_inlined, self._backward_inlined = self._forward, self._backward
+            self._forward_taped_inlined = self._forward_taped
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -183,7 +183,8 @@ class StageFunctions:
 
     def taped_call(self, mb: MicroBatch, deferred: Any, input_grads: Any) -> tuple[Any, tuple]:
         """The taped forward function and its arguments for micro-batch ``mb`` (see ``forward``)."""
-        return self._forward_taped, (mb, self._defers(deferred, mb.training), bool(input_grads))
+        fn = self._forward_taped_inlined if is_inlined() else self._forward_taped
+        return fn, (mb, self._defers(deferred, mb.training), bool(input_grads))
 
     def collect_moments(self, deferred: Any, training: Any, moments: list[Any]) -> None:
         """Pool a forward's BatchNormalization moments into ``deferred``, where it defers them."""
