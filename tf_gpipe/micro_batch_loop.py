@@ -97,7 +97,9 @@ def run(
     if loss.micro_loss is None:  # GPipe's loss reads the targets itself
         loss = loss._replace(targets=None)
     halves = bool(getattr(schedule, "split_backward", False))
-    stages = [PipelineStage(c, s == 0, rematerializes(s), halves, True) for s, c in enumerate(cells)]
+    # GPipe's loop of forwards: a taped stage keeps what its backward, a loop later, reads.
+    stash = loss.micro_loss is None and loss.batch_loss is not None
+    stages = [PipelineStage(c, s == 0, rematerializes(s), halves, True, stash) for s, c in enumerate(cells)]
     with stage.inlined():
         return _Step(loop_waits.waits(schedule), stages, split, masks, sides, loss, deferred).run()
 
@@ -120,8 +122,7 @@ def forward(
     waits = [loop_waits.Wait("F", s, "F", s, 1) for s in range(len(cells))]
     stages = [PipelineStage(c, s == 0, True, False, False) for s, c in enumerate(cells)]
     with stage.inlined():
-        step = _Step(waits, stages, split, masks, sides, StepLoss(), deferred, training)
-        step.taped, step.forward_only = taped, True
+        step = _Step(waits, stages, split, masks, sides, StepLoss(), deferred, training, taped)
         outputs, out_masks, _, cell_losses, _ = step.run()
     return outputs, out_masks, cell_losses
 
@@ -130,7 +131,7 @@ class _Step:
     """One step's loops over ``stages`` (``PipelineStage``s of one schedule), each stage's
     actions in the order ``waits`` keeps."""
 
-    def __init__(self, waits, stages, split, masks, sides, loss, deferred, training=True):
+    def __init__(self, waits, stages, split, masks, sides, loss, deferred, training=True, taped=False):
         self.stages, self.cells, self.M = stages, [st.cell for st in stages], len(split)
         self.deferred = deferred
         self.halves, self.training, self.loss = stages[0].halves, training, loss
@@ -154,8 +155,9 @@ class _Step:
         chunks = [(split.chunks[m], masks[m], sides[m], targets[m]) for m in range(M)]
         self.data, self.arrays = self._stacked(chunks, cells[0].device, self.relax)
         self.input_specs: dict[int, Any] = {}
-        # A forward pass alone (``forward``), which a user's tape may differentiate (``taped``).
-        self.forward_only = self.taped = False
+        # A forward pass alone (``forward``: no loss), which a user's tape may differentiate.
+        self.forward_only = loss.micro_loss is None and loss.batch_loss is None
+        self.taped = taped
 
     def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list]:
         layout = loop_state.Layout(values[0], relax)
@@ -260,8 +262,6 @@ class _Step:
             self.tokens.advance(state, now)
             return emit
 
-        for st in self.stages:  # GPipe's loop of forwards: a taped stage keeps what its backward reads
-            st.stashing = batch_loss is not None
         # TensorFlow's gradient of a taped loop runs as many iterations at once as the loop
         # may, and its replays carry no tokens: each stage could replay every micro-batch at
         # once and hold all their activations. K at a time is what K devices overlap.

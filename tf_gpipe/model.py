@@ -330,14 +330,16 @@ class PipelineModel(keras.Model):
             self.build_cells(structure.spec_from(inputs))
         return super()._maybe_build(call_spec)
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):  # private Keras: keras_compat.data_spec
-        # Built before fit, evaluate or train_on_batch traces its step (variables made in a
-        # trace make TensorFlow trace it twice); under a strategy, Keras' symbolic build does.
-        skip = self.built or tf.distribute.has_strategy()
-        data = None if skip else keras_compat.data_spec(iterator, data_batch)
-        spec = None if data is None else structure.inputs_spec(keras.utils.unpack_x_y_sample_weight(data)[0])
-        if spec is not None:
+    def _build_from_data(self, x: Any) -> None:  # before a step's trace, which would trace twice
+        if not self.built and (spec := structure.inputs_spec(x)) is not None:
             self.build_cells(spec)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):  # private Keras: keras_compat.data_spec
+        # fit, evaluate, train_on_batch; under a strategy, Keras' symbolic build builds.
+        if not self.built and not tf.distribute.has_strategy():
+            data = keras_compat.data_spec(iterator, data_batch)
+            if data is not None:
+                self._build_from_data(keras.utils.unpack_x_y_sample_weight(data)[0])
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def make_train_function(self, force: bool = False) -> Any:
@@ -400,8 +402,7 @@ class PipelineModel(keras.Model):
             return super().test_step(data)
 
     def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self.built and (spec := structure.inputs_spec(x)) is not None:
-            self.build_cells(spec)  # before Keras traces the step, as for fit
+        self._build_from_data(x)
         return super().predict(x, *args, **kwargs)
 
     def predict_step(self, data: Any) -> Any:
