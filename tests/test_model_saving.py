@@ -309,6 +309,24 @@ def test_export_serves_what_the_model_predicts(tmp_path):
     np.testing.assert_allclose(served.serve(x).numpy(), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def test_export_loads_each_stage_weights_on_its_device(tmp_path):
+    """The SavedModel keeps each variable's device: loaded with TensorFlow's variable-device
+    policy, every stage's weights sit on its stage's device, beside the ops that read them
+    (loaded without it, TensorFlow puts them all on one device, which a GPU stage cannot
+    read), and it serves what ``predict`` gives."""
+    model = _trained("bn_dropout", 3)
+    model.export(str(tmp_path / "served"), verbose=False)
+    policy = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
+    served = tf.saved_model.load(
+        str(tmp_path / "served"), options=tf.saved_model.LoadOptions(experimental_variable_policy=policy)
+    )
+    placed = sorted((v.name, v.device) for v in served.variables)
+    assert placed == sorted((v.value.name, v.value.device) for v in model.variables)
+    assert len({d for _, d in placed}) == 3
+    x, _ = _data(7, seed=4)
+    np.testing.assert_allclose(served.serve(x).numpy(), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
 def test_export_keeps_the_input_dtype(tmp_path):
     """Token ids stay int32 in the exported signature (Keras alone would infer float32)."""
     keras.utils.set_random_seed(0)

@@ -264,8 +264,7 @@ class PipelineModel(keras.Model):
         """The stages: their layers and devices."""
         return list(self._pipeline.cells)
 
-    # The engine's own surface: what tf_gpipe's other modules (trainer, saving, timeline,
-    # the cluster's replicas) use of a PipelineModel, so that none reaches into its privates.
+    # What tf_gpipe's other modules use of a PipelineModel, so that none reads its privates.
     @property
     def pipeline(self) -> Pipeline:
         """The cells and how they run (remat, deferred BatchNormalization statistics)."""
@@ -428,11 +427,13 @@ class PipelineModel(keras.Model):
 
     def export(self, filepath: Any, format: str = "tf_saved_model", verbose: Any = None,
                input_signature: Any = None, **kwargs: Any) -> Any:  # fmt: skip
-        """Keras' ``export`` of this model, its stages on their devices; by default for the
-        inputs it was built for. To serve on one device, export ``to_sequential()`` (after
-        ``from_model``: ``to_functional()``)."""
+        """Keras' ``export``, its stages and their weights on their devices (load with the
+        variable-device policy: docs/saving_and_serving.md); by default for the inputs it was
+        built for. To serve on one device, export ``to_sequential()`` or ``to_functional()``."""
         signature = saving.input_signature(self) if input_signature is None else input_signature
-        return super().export(filepath, format, verbose, signature, **kwargs)
+        if format != "tf_saved_model":
+            return super().export(filepath, format, verbose, signature, **kwargs)
+        saving.export_saved_model(self, filepath, verbose, signature, **kwargs)
 
     def to_sequential(self, name: str | None = None) -> keras.Sequential:
         """An unsplit ``keras.Sequential`` copy of the layers, with the current weights.

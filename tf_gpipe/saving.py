@@ -164,6 +164,19 @@ def input_signature(model: Any) -> list[Any]:
     ]
 
 
+def export_saved_model(model: Any, filepath: Any, verbose: Any, signature: Any, **kwargs: Any) -> None:
+    """A SavedModel of the split model whose variables load on their stages' devices.
+
+    TensorFlow saves no variable device by default, and loads every variable on one device
+    (the CPU) while the serving function keeps each stage's ops on its device: a GPU stage
+    could then not read its own weights (TensorFlow refuses a resource on another device)."""
+    archive = keras.export.ExportArchive()
+    archive.track_and_add_endpoint("serve", model, signature, **kwargs)
+    policy = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
+    options = tf.saved_model.SaveOptions(experimental_variable_policy=policy)
+    archive.write_out(filepath, options=options, verbose=True if verbose is None else verbose)
+
+
 def not_built(what: str) -> str:
     """The error for ``what`` on a PipelineModel that is not built yet."""
     return (
