@@ -299,12 +299,19 @@ def test_to_sequential_before_build_raises():
         PipelineModel(_dense_layers(), num_stages=2).to_sequential()
 
 
+def _load_served(path):
+    """A SavedModel loaded as docs/saving_and_serving.md says: its variables on the devices
+    it records (loaded on the CPU, a GPU stage could not read them)."""
+    policy = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
+    return tf.saved_model.load(str(path), options=tf.saved_model.LoadOptions(experimental_variable_policy=policy))
+
+
 def test_export_serves_what_the_model_predicts(tmp_path):
     """``model.export(path)`` after ``fit`` alone (the model never called directly, so Keras
     cannot infer a signature): a SavedModel whose ``serve`` gives ``predict``'s outputs."""
     model = _trained("bn_dropout", 3)
     model.export(str(tmp_path / "served"), verbose=False)
-    served = tf.saved_model.load(str(tmp_path / "served"))
+    served = _load_served(tmp_path / "served")
     x, _ = _data(7, seed=4)  # a batch size it was not built for
     np.testing.assert_allclose(served.serve(x).numpy(), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
@@ -316,10 +323,7 @@ def test_export_loads_each_stage_weights_on_its_device(tmp_path):
     read), and it serves what ``predict`` gives."""
     model = _trained("bn_dropout", 3)
     model.export(str(tmp_path / "served"), verbose=False)
-    policy = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
-    served = tf.saved_model.load(
-        str(tmp_path / "served"), options=tf.saved_model.LoadOptions(experimental_variable_policy=policy)
-    )
+    served = _load_served(tmp_path / "served")
     placed = sorted((v.name, v.device) for v in served.variables)
     assert placed == sorted((v.value.name, v.value.device) for v in model.variables)
     assert len({d for _, d in placed}) == 3
@@ -335,7 +339,7 @@ def test_export_keeps_the_input_dtype(tmp_path):
     ids = np.random.RandomState(0).randint(0, 50, (6, 5)).astype("int32")
     model(ids)
     model.export(str(tmp_path / "served"), verbose=False)
-    served = tf.saved_model.load(str(tmp_path / "served"))
+    served = _load_served(tmp_path / "served")
     assert served.serve.concrete_functions[0].structured_input_signature[0][0].dtype == tf.int32
     np.testing.assert_allclose(served.serve(ids).numpy(), model.predict(ids, verbose=0), rtol=1e-6)
 
