@@ -303,7 +303,8 @@ def _load_served(path):
     """A SavedModel loaded as docs/saving_and_serving.md says: its variables on the devices
     it records (loaded on the CPU, a GPU stage could not read them)."""
     policy = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
-    return tf.saved_model.load(str(path), options=tf.saved_model.LoadOptions(experimental_variable_policy=policy))
+    options = tf.saved_model.LoadOptions(experimental_variable_policy=policy)
+    return tf.saved_model.load(str(path), options=options)
 
 
 def test_export_serves_what_the_model_predicts(tmp_path):
