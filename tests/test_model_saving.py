@@ -301,7 +301,7 @@ def test_to_sequential_before_build_raises():
 
 def _load_served(path):
     """A SavedModel loaded as docs/saving_and_serving.md says: its variables on the devices
-    it records (loaded on the CPU, a GPU stage could not read them)."""
+    it records (all loaded on one device, a GPU stage could not read them)."""
     policy = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
     options = tf.saved_model.LoadOptions(experimental_variable_policy=policy)
     return tf.saved_model.load(str(path), options=options)

@@ -167,9 +167,9 @@ def input_signature(model: Any) -> list[Any]:
 def export_saved_model(model: Any, filepath: Any, verbose: Any, signature: Any, **kwargs: Any) -> None:
     """A SavedModel of the split model whose variables load on their stages' devices.
 
-    TensorFlow saves no variable device by default, and loads every variable on one device
-    (the CPU) while the serving function keeps each stage's ops on its device: a GPU stage
-    could then not read its own weights (TensorFlow refuses a resource on another device)."""
+    TensorFlow saves no variable device by default and loads every variable on one device,
+    while the serving function keeps each stage's ops on its device: a GPU stage could then
+    not read its own weights (TensorFlow refuses a resource on another device)."""
     archive = keras.export.ExportArchive()
     archive.track_and_add_endpoint("serve", model, signature, **kwargs)
     policy = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
