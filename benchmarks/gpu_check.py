@@ -25,7 +25,9 @@ Checks, in this order (the suite first: it says most, and a lease may end mid-wa
   inside ``tf_gpipe.exact_float32()``: largest weight difference (ok below 1e-4);
 - ``logical4``: device 0 split into 4 logical devices, stages 0-3 on them, Adam: the
   step's partition graphs must hold no optimizer op outside the stages' devices, and
-  an update (an assign) on each of devices 1-3; the median step time;
+  an update (an assign) on each of devices 1-3; the median step time; then ``export``,
+  loaded with its variable devices, must serve ``predict``'s outputs (and what a plain
+  ``tf.saved_model.load`` does is reported);
 - ``first_step``: trace + compile + first run of a K=4 Transformer-block stack (layers
   without an ``Input``: built by the data) for M in ``--first_step_micro_batches`` (1, 8,
   32) per schedule (``--first_step_schedules``), and ``keras.Sequential``'s (XLA where
@@ -222,15 +224,45 @@ def _logical4() -> dict:
         start = time.perf_counter()
         pm.train_on_batch(x, y)
         steps.append(time.perf_counter() - start)
+    served = _served(pm, x[:37])
     return {
         "kind": kind,
         "devices": devices[:4],
         "optimizer_ops_per_device": {d: len(o) for d, o in sorted(ops.items())},
         "outside_stage_devices": outside,
         "devices_1_3_with_an_update": updated,
+        **served,
         "median_step_ms": round(1000 * sorted(steps)[3], 2),
-        "ok": not outside and len(updated) == 3,
+        "ok": not outside and len(updated) == 3 and served["export_served_diff"] < 1e-5,
     }
+
+
+def _served(pm, x) -> dict:
+    """``pm.export``, loaded as docs/saving_and_serving.md says (the variables on the devices
+    it records): its largest difference from ``predict``, and what a plain load does."""
+    import tempfile
+
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_gpipe
+
+    path = os.path.join(tempfile.mkdtemp(), "served")
+    policy = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
+    with tf_gpipe.exact_float32():  # predict and serve may pick different TF32 kernels
+        pm.export(path, verbose=False)
+        expected = pm.predict(x, verbose=0)
+        loaded = tf.saved_model.load(
+            path, options=tf.saved_model.LoadOptions(experimental_variable_policy=policy)
+        )
+        placed = sorted({_short(v.device) for v in loaded.variables})
+        diff = float(np.abs(loaded.serve(x).numpy() - expected).max())
+        plain_loaded = tf.saved_model.load(path)  # held: its variables live as long as it does
+        try:
+            plain = f"{float(np.abs(plain_loaded.serve(x).numpy() - expected).max()):.1e}"
+        except tf.errors.InvalidArgumentError as e:
+            plain = "fails: " + str(e.message).strip().splitlines()[0][:120]
+    return {"export_variable_devices": placed, "export_served_diff": diff, "export_plain_load": plain}
 
 
 # ---------------------------------------------------------------------------- the parent
