@@ -7,6 +7,7 @@ before TensorFlow starts), and prints one table. On a machine without a GPU it r
 the same checks on logical CPUs, which tests the script, not the GPU.
 
     python benchmarks/gpu_check.py                  # everything
+    python benchmarks/gpu_check.py --skip=example,xla,logical4,first_step,overlap --timeout=400
     python benchmarks/gpu_check.py --skip=suite     # the rest
 
 On an H200 host (16 cores, at 6cc949c) TensorFlow's unpacking took 30 s, the suite 252 s
