@@ -35,7 +35,7 @@ def forward(
     deferred=None,
     persistent: bool = False,
     input_grads: bool = True,
-    halves: bool = False,
+    stashing: bool = False,
 ) -> Record:
     """Run ``cell`` on micro-batch ``mb`` on its device, applying its variable updates once.
 
@@ -44,14 +44,14 @@ def forward(
     backward pass replays the cell; without it a tape keeps them (``persistent``
     when a split schedule takes the input and the weight gradients from it in
     two calls; ``input_grads``: whether the inputs get gradients from it), or, with
-    ``halves``, its forward half keeps what the backward reads (``tf_gpipe.stash``). With
+    ``stashing``, its forward half keeps what the backward reads (``tf_gpipe.stash``). With
     ``deferred`` (a ``batchnorm.DeferredStats``) BatchNormalization moments are pooled
     there instead of moving the statistics now.
     """
     fns = stage.functions(cell)
     symbolic = persistent and not tf.executing_eagerly()
     inputs, mask, side, nonempty, _ = mb
-    if halves and not remat:
+    if stashing and not remat:
         outputs, out_mask, losses, before, kept, plan = stash.forward(cell, mb, deferred, input_grads)
         return Record(
             inputs=inputs, mask=mask, outputs=outputs, out_mask=out_mask, losses=losses, nonempty=nonempty,

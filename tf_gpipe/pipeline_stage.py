@@ -86,7 +86,7 @@ class PipelineStage:
             deferred,
             persistent=self.halves,
             input_grads=not self.first,
-            halves=self.stashing,
+            stashing=self.stashing,
         )
 
     def call(self, mb: MicroBatch, deferred: Any) -> tuple[Any, Any, list[tf.Tensor]]:
