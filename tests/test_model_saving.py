@@ -307,28 +307,19 @@ def _load_served(path):
     return tf.saved_model.load(str(path), options=options)
 
 
-def test_export_serves_what_the_model_predicts(tmp_path):
+def test_export_serves_what_the_model_predicts_each_stage_weights_on_its_device(tmp_path):
     """``model.export(path)`` after ``fit`` alone (the model never called directly, so Keras
-    cannot infer a signature): a SavedModel whose ``serve`` gives ``predict``'s outputs."""
-    model = _trained("bn_dropout", 3)
-    model.export(str(tmp_path / "served"), verbose=False)
-    served = _load_served(tmp_path / "served")
-    x, _ = _data(7, seed=4)  # a batch size it was not built for
-    np.testing.assert_allclose(served.serve(x).numpy(), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
-
-
-def test_export_loads_each_stage_weights_on_its_device(tmp_path):
-    """The SavedModel keeps each variable's device: loaded with TensorFlow's variable-device
-    policy, every stage's weights sit on its stage's device, beside the ops that read them
-    (loaded without it, TensorFlow puts them all on one device, which a GPU stage cannot
-    read), and it serves what ``predict`` gives."""
+    cannot infer a signature): a SavedModel whose ``serve`` gives ``predict``'s outputs. It
+    keeps each variable's device: loaded with TensorFlow's variable-device policy, every
+    stage's weights sit on its stage's device, beside the ops that read them (loaded without
+    it, TensorFlow puts them all on one device, which a GPU stage cannot read)."""
     model = _trained("bn_dropout", 3)
     model.export(str(tmp_path / "served"), verbose=False)
     served = _load_served(tmp_path / "served")
     placed = sorted((v.name, v.device) for v in served.variables)
     assert placed == sorted((v.value.name, v.value.device) for v in model.variables)
     assert len({d for _, d in placed}) == 3
-    x, _ = _data(7, seed=4)
+    x, _ = _data(7, seed=4)  # a batch size it was not built for
     np.testing.assert_allclose(served.serve(x).numpy(), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
