@@ -172,12 +172,15 @@ def test_remat_never_peak_memory_is_plain_keras(peaks):
     plain, never = peaks["one_call"]
     # As one call: 18 MiB against plain Keras' 12 (measured; inlined, 11 against 11).
     assert never < 1.2 * plain, (plain / MiB, never / MiB)
-    # M=4 micro-batches against plain Keras on the whole batch. fit's gradient sums are made
-    # at compile, before the probe's baseline: add them. Measured: 32-34 + 16 MiB against
-    # 44-46 (1.05-1.12); with each micro-batch's gradients added in one call, 48 + 16 (1.3-1.47).
+    # M=4 micro-batches against plain Keras on the whole batch, the gradient sums (loop
+    # variables, made in the step) included. Measured: 50 MiB against 45 (1.13).
     plain, never = peaks["sums"]
-    sums = _SUMS["deep"] * (_SUMS["width"] ** 2 + _SUMS["width"]) * 4
-    assert never + sums < 1.2 * plain, (plain / MiB, never / MiB)
+    assert never < 1.2 * plain, (plain / MiB, never / MiB)
+
+
+def _sums(cfg: dict) -> int:
+    """The bytes of a probe's gradient sums: its Dense layers' weights (the head's aside)."""
+    return cfg["deep"] * (cfg["width"] ** 2 + cfg["width"]) * 4
 
 
 def test_replay_gradients_free_activations_as_they_go(peaks):
@@ -186,6 +189,7 @@ def test_replay_gradients_free_activations_as_they_go(peaks):
     runtime runs the chain of input gradients ahead of the weight gradients, and each layer's
     activation and incoming gradient stay alive until its weight gradient is made."""
     peak, _ = peaks["gated"]
+    peak -= _sums(_GATED)  # the gradient sums, made in the step: apart from the activations
     activation = _GATED["rows"] * _GATED["width"] * 4  # one layer's, one micro-batch's
     # Median of 3 steps, 2 inter-op threads, 2 processes each idle and beside two busy
     # ones: 11.1 activations gated, 14.0-17.1 ungated (``gate_gradients=False``)
@@ -199,6 +203,7 @@ def test_taped_gradients_free_activations_as_they_go(peaks):
     gradient of the taped forward call, which ``tf_gpipe.gated`` makes a gated
     ``tf.gradients`` of the stage's ops (a ``tf.custom_gradient``)."""
     _, peak = peaks["gated"]
+    peak -= _sums(_GATED)
     activation = _GATED["rows"] * _GATED["width"] * 4
     # As above: 20 activations gated, 28-30 with ``gate_gradients=False`` (with 16
     # threads, 24-25 for TensorFlow's own gradient of the call); remat_memory.py's K=2,

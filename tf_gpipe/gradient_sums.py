@@ -1,10 +1,12 @@
-"""A stage's gradient sums: fit adds each weight's gradient of every micro-batch into a variable.
+"""A stage's gradient sums in a step built out: every micro-batch's weight gradients added to variables.
 
-fit sums each weight's gradient over the micro-batches in a variable on the stage's
-device, added to inside the backward function as each gradient is made (what PyTorch
-does with ``.grad``). Summing the returned gradients in the step instead would add
-K x M x weights ops to its graph (the first step growing with M), and would hold
-a whole stage's gradients at once beside the running sum.
+Built out (``tf_gpipe.engine``: one call per action), fit sums each weight's gradient over
+the micro-batches in a variable on the stage's device, added to inside the backward
+function as each gradient is made (what PyTorch does with ``.grad``). Summing the
+returned gradients in the step instead would add K x M x weights ops to its graph, and,
+each backward being one call, would hold a whole stage's gradients at once beside the
+running sum. The loops over micro-batches (``tf_gpipe.micro_batch_loop``) carry running
+sums as loop variables instead, which exist only while the step runs.
 
 The sums' token (ready once an addition is done) flows as data from the zeroing
 through every addition of the stage to the final read: each function call's every

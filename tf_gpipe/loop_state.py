@@ -257,8 +257,8 @@ def independent_stages() -> contextlib.AbstractContextManager[None]:
     stage's call): each iteration would be a barrier of all K stages, and its control
     edges would cross every device twice, which doubles the loop step's host cost at
     K=8, M=32 (benchmarks/compiled_stages/README.md). The stages need no such order:
-    each stage's calls are chained through its own data (outputs forward, the
-    gradient-sum token backward). ``tests/test_loop.py`` checks that the flag still
+    each stage's calls are chained through its own data (outputs forward, the running
+    gradient sums backward). ``tests/test_loop.py`` checks that the flag still
     takes effect."""
     return tf_compat.no_automatic_control_dependencies()
 

@@ -20,25 +20,29 @@ schedule puts before it in its own or an earlier micro-batch (``F(m)@s`` after
 ``B(m - K + s)@s`` in 1F1B: at most K - s micro-batches in flight), their tokens travelling
 as loop variables. Each stage's actions of one kind run in micro-batch order (a forward
 reads what the previous one wrote: random draws, statistics; a backward adds to the
-gradient sums after the previous one), so the step computes what the built-out one does.
+running gradient sums the previous one left), so the step computes what the built-out one
+does.
 
 A stage that keeps its activations (``remat="never"``) runs its taped forward and its
 gradient in one iteration: the tape never leaves the loop body, and the K - s
 micro-batches a 1F1B stage holds are the iterations in flight.
 
-What leaves an iteration (outputs, layer losses, loss terms, gradient rows,
-BatchNormalization moments, a GPipe stage's stash) has a structure known once the body is
+What leaves an iteration (outputs, layer losses, loss terms, weight gradients (summed)
+and gradient rows, BatchNormalization moments, a GPipe stage's stash) has a structure known once the body is
 traced; ``loop_state.emitting`` traces it once more for it, as a function never called: the
 stage functions' traces are shared, so that costs the glue only.
 
 Each stage's forward and backward of one micro-batch are those of ``engine``'s built-out
 step (``pipeline_stage.PipelineStage``), and the stage says what a backward reads of its
-forward (``stash``); the loops carry, as loop variables, what a built-out stage keeps in
-Python between its actions (its gradient-sum token, GPipe's stash).
+forward (``stash``); the loops carry, as loop variables, what a built-out stage keeps
+between its actions: GPipe's stash, and each stage's gradient sums (built out, variables
+added to inside the backward, ``tf_gpipe.gradient_sums``; here running sums that exist only
+while the step runs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -99,7 +103,7 @@ def run(
     halves = bool(getattr(schedule, "split_backward", False))
     # GPipe's loop of forwards: a taped stage keeps what its backward, a loop later, reads.
     stash = loss.micro_loss is None and loss.batch_loss is not None
-    stages = [PipelineStage(c, s == 0, rematerializes(s), halves, True, stash) for s, c in enumerate(cells)]
+    stages = [PipelineStage(c, s == 0, rematerializes(s), halves, False, stash) for s, c in enumerate(cells)]
     with stage.inlined():
         return _Step(loop_waits.waits(schedule), stages, split, masks, sides, loss, deferred).run()
 
@@ -190,13 +194,15 @@ class _Step:
 
     def backward(self, s, rec, dy, m, n_losses, state, now, emit):
         """Stage ``s``'s backward of micro-batch ``m`` (its B and W, when split); returns the
-        gradients of its inputs."""
+        gradients of its inputs. Its dense weight gradients go into the stage's running sums,
+        loop variables, each addition after the previous micro-batch's by dataflow. A padded
+        micro-batch's gradients are zeros (its loss and its layers' losses weigh nothing)."""
         cell, st = self.cells[s], self.stages[s]
         weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
         loss_grads = layer_loss_grads(weight, n_losses)
         halves = self.halves
+        rec = dataclasses.replace(rec, nonempty=None)  # nothing to mask (a select per gradient)
         with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):
-            st.summed = state["sums", s][0]
             go = self.tokens.before(state, now, "B", s)
             in_grads: list[Any] = []
             if not (halves and s == 0):  # stage 0's input needs no gradient: no B to run
@@ -205,19 +211,13 @@ class _Step:
                 now["B", s] = loop_state.token(in_grads) if s > 0 else loop_state.token(go, dy)
                 w_go = self.tokens.before(state, now, "W", s)
                 _, grads = st.backward(rec, dy, loss_grads, w_go, False, True)
-            state["sums", s] = [st.summed]
-            now["W" if halves else "B", s] = st.summed
-        for i, g in enumerate(grads):
-            if g is not None:  # rows: kept apart per micro-batch, not summed into a dense tensor
-                emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
+            dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            emit["grads", s] = ("sum", cell.device, dense)
+            now["W" if halves else "B", s] = loop_state.token(in_grads, grads)
+            for i, g in enumerate(grads):
+                if isinstance(g, tf.IndexedSlices):  # rows: kept apart per micro-batch, not summed
+                    emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
         return in_grads
-
-    def _sums(self) -> dict:
-        state = {}
-        for s, cell in enumerate(self.cells):
-            with tf.device(cell.device):
-                state["sums", s] = [self.stages[s].zero_sums(inline=True)]
-        return state
 
     # ---------------------------------------------------------------------------- the step
     def run(self):
@@ -245,9 +245,7 @@ class _Step:
                 self.tokens.advance(state, now)
                 return emit
 
-            out, state = loop_state.emitting(
-                M, devices, {**self.tokens.initial("FBW"), **self._sums()}, iteration
-            )
+            out, state = loop_state.emitting(M, devices, self.tokens.initial("FBW"), iteration)
             return self._results([(out, state)], [out.total(state, ("terms",))])
 
         def forwards(m, state):
@@ -293,7 +291,7 @@ class _Step:
             self.tokens.advance(state, now)
             return emit
 
-        carried = {**self.tokens.initial("BW"), **self._sums()}
+        carried = self.tokens.initial("BW")
         carried.update({("stash", s): first[1]["emitted", ("stash", s)] for s in range(S)})
         second = loop_state.emitting(M, devices, carried, backwards)
         return self._results([first, second], [], out=(outputs, out_masks))
@@ -344,6 +342,9 @@ class _Step:
                         tf.IndexedSlices(v, ix, shape) for v, ix in emitted.each(state, ("rows", s, i))
                     ]
                     totals[id(variables[i])] = sparse.combine(parts_i, id(variables[i]) in free)
-                self.stages[s].summed = parts[-1][1]["sums", s][0]
-                totals.update(self.stages[s].read_sums(inline=True))
+                emitted, state = find(("grads", s))
+                # Out of the loop on the stage's device: what places the optimizer's work on
+                # a gradient (a global norm's square) beside it (``tf_gpipe.update``).
+                summed = [None if g is None else tf.identity(g) for g in emitted.total(state, ("grads", s))]
+                totals.update({id(v): g for v, g in zip(variables, summed) if g is not None})
         return list(outputs), list(out_masks), totals, cell_losses, terms

@@ -12,7 +12,8 @@ For one micro-batch a stage has
 * ``call``: the same in a forward pass alone, which any enclosing tape may differentiate;
 * ``backward``: the input gradients, the weight gradients, or both (a split schedule's B and
   W halves), the weight gradients added to the stage's gradient sums after the previous
-  addition (``summed``, the sums' token), where the step sums them (M > 1);
+  addition (``summed``, the sums' token) where a step built out sums them (M > 1), else
+  returned (M = 1; the loops add them to sums of their own);
 * ``stash`` and ``unstash``: what a backward reads of its forward, as tensors, and back: what
   GPipe's loop of forwards hands its loop of backwards.
 """
@@ -46,7 +47,8 @@ class PipelineStage:
         first: whether it is stage 0 (whose inputs need no gradient).
         rematerialized: its forward keeps only its inputs, and its backward replays it.
         halves: the schedule splits each backward into B (input gradients) and W (weights).
-        summing: the weight gradients go into the stage's gradient sums (M > 1), not back.
+        summing: the weight gradients go into the stage's gradient sums (built out, M > 1),
+            not back.
         stashing: a taped forward keeps what its backward reads in tensors (``tf_gpipe.stash``):
             GPipe's loop of forwards, whose backward runs in a later loop.
     """

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, microbatch, ordering, schedules, stage, structure, update
+from tf_gpipe import keras_compat, loop_choice, microbatch, ordering, schedules, stage, structure, update
 from tf_gpipe.engine import StepLoss, accumulate, run_schedule
 
 __all__: list[str] = []
@@ -52,9 +52,16 @@ def make_state(model: Any) -> None:
 
 
 def build_gradient_sums(model: Any) -> None:
-    """Each stage's variables that sum its gradients over micro-batches (M > 1), made before
-    the training step is traced."""
-    if model.built and model.num_micro_batches > 1:
+    """Each stage's variables that sum its gradients over micro-batches, made before the
+    training step is traced, where the step will be built out (M > 1, and no loops asked
+    for, a timeline, or a ``compute_loss`` override): the loops over micro-batches carry
+    their sums as loop variables, which take memory only while the step runs. A step built
+    out that finds none makes them in its trace (traced twice, then)."""
+    if not (model.built and model.num_micro_batches > 1):
+        return
+    custom = model.schedule != "gpipe" and _overrides_compute_loss(model)
+    loops = loop_choice.chosen(getattr(model, "micro_batch_loops", False))
+    if custom or getattr(model, "tracer", None) is not None or not loops:
         for cell in model.cells:
             stage.functions(cell).sums.variables(cell.trainable_variables)
 
