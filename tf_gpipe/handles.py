@@ -1,7 +1,7 @@
 """A stage's variable handles as one loop variable per device (``tf_gpipe.micro_batch_loop``).
 
 A stage function captures a resource handle for every variable it reads or writes (its
-weights, their gradient sums, seed-generator states, BatchNormalization statistics). Called
+weights, seed-generator states, BatchNormalization statistics; built out, gradient sums). Called
 inside the loops, it needs each of them in the ``tf.while_loop``: one input each, traced at
 every level (a placeholder per handle per nested graph) and, once TensorFlow lowers the loop
 to its frame ops, seven graph nodes each. With ~130 variables that would be ~40% of the loop
