@@ -222,7 +222,7 @@ def test_gradient_sums_leave_out_an_empty_micro_batch(in_body):
 
     @tf.function(autograph=False)
     def step():
-        token = sums.zero(inline=True)
+        token = sums.zero()
         for nonempty, fill in ((False, np.nan), (True, 1.0), (False, np.inf)):
             grads = [tf.fill(v.shape, fill) for v in variables]
             with tf.control_dependencies([token]):
@@ -230,7 +230,7 @@ def test_gradient_sums_leave_out_an_empty_micro_batch(in_body):
                     token, _ = sums.add_in_body(grads, tf.constant(nonempty))
                 else:
                     token, _ = sums.add(grads, tf.constant(nonempty), token)
-        return sums.read(token, inline=True)
+        return sums.read(token)
 
     got = step()
     assert_all_close([got[id(v)] for v in variables], [np.ones(v.shape) for v in variables])

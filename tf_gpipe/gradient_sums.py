@@ -68,23 +68,19 @@ class GradientSums:
                     )
         return [self._sums[id(v)] for v in variables]
 
-    def zero(self, inline: bool = False) -> tf.Tensor:
-        """Set the gradient sums to zero; returns a token that is ready once they are.
-
-        ``inline``: the ops go into the caller's graph, not into a function call (the loops
-        over micro-batches, whose tokens pass through loop variables, not straight from one
-        call to another: see the module docstring)."""
+    def zero(self) -> tf.Tensor:
+        """Set the gradient sums to zero; returns a token that is ready once they are."""
         if not self.variables(self.cell.trainable_variables):
             # Nothing to zero (a frozen stage). Called, a function whose body is one constant
             # is not found by TensorFlow's runtime in Keras' step ("Failed to find definition
             # for function ..._zero_body..._specialized_for_...": NOT_FOUND warnings).
             return tf.constant(True)
         with tf.device(self.cell.device):
-            return self._zero_body() if inline else self._zero()
+            return self._zero()
 
-    def read(self, token: tf.Tensor, inline: bool = False) -> dict[int, tf.Tensor]:
+    def read(self, token: tf.Tensor) -> dict[int, tf.Tensor]:
         """``{id(variable): summed dense gradient}`` for the variables that got one, read
-        once ``token`` (the last addition's) is ready; ``inline`` as ``zero``."""
+        once ``token`` (the last addition's) is ready."""
         variables = self.cell.trainable_variables
         dense = [
             (v, s)
@@ -93,7 +89,7 @@ class GradientSums:
         ]
         # Called even with no dense sums (a stage whose weights all get rows): it reads the token.
         with tf.device(self.cell.device):
-            values = (self._read_body if inline else self._read)(token, [s for _, s in dense])
+            values = self._read(token, [s for _, s in dense])
         return {id(v): t for (v, _), t in zip(dense, values)}
 
     def add(

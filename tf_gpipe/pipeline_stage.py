@@ -139,14 +139,14 @@ class PipelineStage:
         return kind == "W" or not self.halves
 
     # ---------------------------------------------------------------- gradient sums
-    def zero_sums(self, inline: bool = False) -> tf.Tensor:
+    def zero_sums(self) -> tf.Tensor:
         """Zero the gradient sums; ``summed`` is the token, ready once they are."""
-        self.summed = stage.functions(self.cell).sums.zero(inline=inline)
+        self.summed = stage.functions(self.cell).sums.zero()
         return self.summed
 
-    def read_sums(self, inline: bool = False) -> dict[int, Any]:
+    def read_sums(self) -> dict[int, Any]:
         """``{id(variable): its summed gradient}``, read after the last addition."""
-        return stage.functions(self.cell).sums.read(self.summed, inline=inline)
+        return stage.functions(self.cell).sums.read(self.summed)
 
     # ---------------------------------------------------------------- between two loops
     def stash(self, record: replay.Record) -> Any:

@@ -59,7 +59,7 @@ def build_gradient_sums(model: Any) -> None:
     out that finds none makes them in its trace (traced twice, then)."""
     if not (model.built and model.num_micro_batches > 1):
         return
-    custom = model.schedule != "gpipe" and _overrides_compute_loss(model)
+    custom = _loss_per_micro_batch_override(model)
     loops = loop_choice.chosen(getattr(model, "micro_batch_loops", False))
     if custom or getattr(model, "tracer", None) is not None or not loops:
         for cell in model.cells:
@@ -111,7 +111,7 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     exact = model.schedule != "gpipe"
     # A compute_loss override runs on each micro-batch, weighted by its share, and is
     # checked against the whole mini-batch's (``_checked``): exact only for per-example means.
-    custom = exact and loss_model is model and _overrides_compute_loss(model)
+    custom = loss_model is model and _loss_per_micro_batch_override(model)
     main, side = model.separate_inputs(x)
     multiple_of = model.num_stages if model.schedule == "interleaved" else 1
     joint = microbatch.split(
@@ -236,6 +236,13 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     if custom:  # nothing leaves this step (no update) unless the split loss was exact
         final, loss = ordering.after([check], (final, loss))
     return Gradients(final, loss, y_pred, batch_size)
+
+
+def _loss_per_micro_batch_override(model: Any) -> bool:
+    """Whether ``model``'s step calls its ``compute_loss`` override on each micro-batch (a
+    per-micro-batch schedule), whose weight gradients the step sums beside the stages': then
+    the step is built out."""
+    return model.schedule != "gpipe" and _overrides_compute_loss(model)
 
 
 def _overrides_compute_loss(model: Any) -> bool:
