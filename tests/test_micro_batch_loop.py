@@ -217,6 +217,27 @@ def test_gpipe_keeps_taped_stages_activations_between_its_loops(cpu_devices):
     assert "replay" not in scopes and {"forward", "backward"} <= scopes, scopes
 
 
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_each_stage_sums_its_gradients_on_its_device(cpu_devices, remat):
+    """The loops add each micro-batch's weight gradients to the stage's running sums on the
+    stage's device (read from the partition graphs that ran): one addition per weight."""
+    devices = cpu_devices[1:4]
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=4), num_stages=3, num_micro_batches=3, remat=remat, schedule="1f1b", devices=devices
+    )
+    pm.compile(optimizer="sgd", loss=LOSS)
+    x = np.random.RandomState(0).rand(12, 8).astype("float32")
+    graphs = partition_graphs(lambda: pm.train_on_batch(x, np.arange(12) % 3))
+    added: dict[int, list[str]] = {s: [] for s in range(3)}
+    for node in (n for g in graphs for n in g.node):
+        found = re.search(r"/grads_(\d+)/", node.name)
+        if found and node.op == "AddV2":
+            added[int(found.group(1))].append(node.device)
+    for s, cell in enumerate(pm.cells):
+        assert len(added[s]) == len(cell.trainable_variables), (s, added[s])
+        assert all(same_device(d, devices[s]) for d in added[s]), (s, added[s])
+
+
 def _stage_call_sites(M, **kwargs):
     """The stage-function calls in the step's graph and its functions (the loop bodies), each
     a body TensorFlow instantiates or inlines once per call site."""

@@ -332,7 +332,8 @@ class Emitted:
     def add(self, state: dict, m: Counters, got: dict) -> None:
         for k, (how, device, value) in got.items():
             layout, key = self.layouts[k], ("emitted", k)
-            with tf.device(device):
+            # Named after its key (``grads_1``: stage 1's gradient sums), to be found in a graph.
+            with tf.device(device), tf.name_scope("_".join(map(str, k))):
                 if how == "held":
                     state[key] = layout.hold(state[key], m.on(device), self.M, layout.compress(value))
                 elif how == "each":
