@@ -110,6 +110,34 @@ def test_no_automatic_control_dependencies_restores_the_flag():
     assert seen == [False, True], VERSION
 
 
+def test_traced_unordered_orders_nothing_by_itself():
+    v = tf.Variable(1.0)
+
+    def fn(x):
+        v.assign_add(x)
+        return {"sum": v.read_value(), "twice": 2.0 * x}
+
+    @tf.function
+    def outer():
+        graph = tf_compat.traced_unordered("probe", fn, [tf.TensorSpec([], tf.float32)])
+        assert sorted(graph.structured_outputs) == ["sum", "twice"], VERSION
+        assert graph.structured_outputs["twice"].dtype == tf.float32, VERSION
+        # tf.function's tracer would make the read wait for the write (and more).
+        assert not [op.name for op in graph.get_operations() if op.control_inputs], VERSION
+        return tf.constant(0)
+
+    outer()
+    assert float(v.numpy()) == 1.0  # traced, never run
+
+
+def test_a_missing_tracer_fails_loudly(monkeypatch):
+    from tensorflow.python.framework import func_graph
+
+    monkeypatch.delattr(func_graph, "func_graph_from_py_func")
+    with pytest.raises(tf_compat.TFCompatError, match=r"func_graph_from_py_func.*what a loop's iteration emits"):
+        tf_compat.traced_unordered("probe", lambda: tf.constant(0), [])
+
+
 def test_gradient_function_of_a_function_call():
     @tf.function
     def square(x):

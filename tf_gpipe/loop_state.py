@@ -381,7 +381,7 @@ def emitting(
 
     signature = [tf.TensorSpec([], tf.int32)] + [s for k in keys for s in specs[k]]
     with handles.collected() as captured:
-        values = tf.function(probe, autograph=False).get_concrete_function(*signature).structured_outputs
+        values = tf_compat.traced_unordered("probe", probe, signature).structured_outputs
     out = Emitted(meta, values, M)
     # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
     packed = handles.pack(captured if pack else [])

@@ -104,6 +104,24 @@ def no_automatic_control_dependencies() -> Iterator[None]:
         graph._add_control_dependencies = saved
 
 
+def traced_unordered(name: str, fn: Callable[..., Any], signature: Sequence[Any]) -> Any:
+    """``fn`` traced on placeholders of ``signature`` (type specs) into a graph that is never run: the
+    ``FuncGraph``, whose ``structured_outputs`` are what ``fn`` returned.
+
+    ``loop_state.emitting`` learns what a loop's iteration emits from such a trace.
+    ``tf.function`` would trace it with automatic control dependencies, which a graph that
+    never runs needs none of, and the stages' functions and their gradients, first traced
+    inside it, then cost about a third more to build (0.45 s against 0.32 s a middle stage's
+    gradient, 1F1B with ``remat="never"``; benchmarks/first_step/README.md). Uses
+    ``tensorflow.python.framework.func_graph.func_graph_from_py_func`` with
+    ``add_control_dependencies=False``, the tracer under ``tf.function``.
+    """
+    trace = _private(
+        "tensorflow.python.framework.func_graph", "func_graph_from_py_func", "learn what a loop's iteration emits"
+    )
+    return trace(name, fn, list(signature), {}, add_control_dependencies=False)
+
+
 def gradient_function(op: tf.Operation) -> Callable[..., Any] | None:
     """The gradient function a graph op carries itself, or None if it has none.
 
