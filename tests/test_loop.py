@@ -77,7 +77,7 @@ def test_loop_gives_the_built_out_steps_results(case, monkeypatch):
 
 
 @functools.cache  # read, never changed: two tests share the M=6 loop graph
-def _step_graph(M, use_loop, remat="always", batch=None):
+def _step_graph(M, use_loop, remat="always", batch=None, schedule="gpipe"):
     keras.backend.clear_session()
     # On logical CPUs even where GPUs are visible: only there are the handles packed.
     cpus = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
@@ -88,6 +88,7 @@ def _step_graph(M, use_loop, remat="always", batch=None):
         micro_batch_loops=use_loop,
         devices=cpus,
         remat=remat,
+        schedule=schedule,
     )
     pm.compile(optimizer="sgd", loss=LOSS)
     pm.build((None, 8))
@@ -242,16 +243,21 @@ def test_micro_batch_loops_survives_the_config_round_trip(value):
     assert tf_gpipe.PipelineModel.from_config(pm.get_config()).micro_batch_loops == value
 
 
-@pytest.mark.parametrize("remat", ["always", "never"])
-def test_loops_carry_one_handle_tensor_per_stage(remat):
+@pytest.mark.parametrize(
+    "schedule, remat",
+    [("gpipe", "always"), ("gpipe", "never"), ("1f1b", "never"), ("zb-h1", "never")],
+)
+def test_loops_carry_one_handle_tensor_per_stage(schedule, remat):
     """Each loop carries a stage's variable handles (weights, seed states)
     as one stacked tensor, not one loop variable per variable (tf_gpipe.handles): ~7 graph
-    nodes per loop variable once TensorFlow lowers the loop. A taped stage's calls
-    (``remat="never"``: its rewritten forward, its gradient half) too."""
-    graph_def = _step_graph(6, True, remat)
+    nodes per loop variable once TensorFlow lowers the loop. A taped stage's calls too:
+    GPipe's (``remat="never"``: its rewritten forward, its gradient half), and those one
+    loop differentiates with a tape or ``tf.gradients`` (1F1B, ZB-H1's B and W), taken
+    w.r.t. the handles the loop passes (``cell_pass._fed_handles``)."""
+    graph_def = _step_graph(6, True, remat, schedule=schedule)
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
     loops = [n for n in nodes if n.op in ("While", "StatelessWhile")]
-    assert len(loops) == 2
+    assert len(loops) == (2 if schedule == "gpipe" else 1)
     for n in loops:
         resources = [t for t in n.attr["T"].list.type if t == tf.resource.as_datatype_enum]
         assert len(resources) <= 2, (n.name, len(resources))  # two stages: one tensor each

@@ -68,8 +68,10 @@ def forward(
             # building a graph, the call's own (first-order) gradient can be taken twice
             # with ``tf.gradients`` instead (``Record.split``), so the tape need not persist.
             tape = tf.GradientTape(persistent=persistent and not symbolic)
+            fed = _fed_handles(cell)
             with tape:
                 tape.watch(_float_tensors(inputs))
+                tape.watch(list(fed.values()))
                 outputs, out_mask, losses, before = fns.forward(
                     mb, deferred, taped=True, input_grads=input_grads
                 )
@@ -87,6 +89,7 @@ def forward(
         before=before,
         pooled=deferred is not None,
         split=symbolic and not remat,
+        fed=None if remat else fed,
     )
 
 
@@ -116,6 +119,18 @@ def _first_order_twice(*structures: Any) -> None:
 
         first_order._tf_gpipe = True  # type: ignore[attr-defined]
         tf_compat.set_gradient_function(op, first_order)
+
+
+def _fed_handles(cell: Cell) -> dict[int, tf.Tensor]:
+    """``{id(variable): tensor}`` for the trainable variables whose handles this scope feeds
+    the stage's calls in place of the captured ones (``handles.replaced``, inside the
+    loops). A tape connects a call to the variables it watches through the handles the
+    call reads: these, then, are what the gradient is taken w.r.t. Passing the handles
+    packed spares the loop a loop variable per weight (~70 in a 4-stage Transformer:
+    benchmarks/first_step/README.md)."""
+    variables = cell.trainable_variables
+    given = [keras_compat.backing_variable(v).handle for v in variables]
+    return {id(v): t for v, h, t in zip(variables, given, handles.fed(given)) if t is not h}
 
 
 def _float_tensors(structure: Any) -> list[tf.Tensor]:
@@ -188,7 +203,7 @@ def backward(
             flat_in,
             float_pos,
             [flat_in[i] for i in float_pos],
-            cell.trainable_variables if to_sums else variables,
+            [(record.fed or {}).get(id(v), v) for v in (cell.trainable_variables if to_sums else variables)],
             need_input_grads,
             None if to_sums else record.nonempty,  # the sums skip an empty micro-batch's
         )

@@ -10,7 +10,9 @@ micro-batch (benchmarks/compiled_stages/README.md).
 
 ``pack`` stacks the handles of each device into one tensor there, before the loop; inside
 the loop body, ``unpack`` splits it again and ``replaced`` makes the stage-function calls in its
-scope (``call``) take those tensors in place of the captured handles. Only CPU devices have
+scope (``call``) take those tensors in place of the captured handles. A taped stage's call
+too: its tape watches the tensors the call is fed, and its weight gradients are taken
+w.r.t. them (``cell_pass._fed_handles``). Only CPU devices have
 a ``Pack`` kernel for resource handles, so handles on other devices (GPUs) stay as they
 are: one input each, as before.
 

@@ -81,6 +81,9 @@ class Record:
     # Taped as two halves (``tf_gpipe.stash``): what the gradient half reads, and how.
     kept: list[tf.Tensor] | None = None
     plan: Any = None
+    # Taped inside the loops: ``{id(variable): the handle tensor}`` the call read each
+    # trainable variable through (``tf_gpipe.handles``), which its gradient is taken w.r.t.
+    fed: dict[int, tf.Tensor] | None = None
 
 
 def run(cell: Cell, record: Record, training: bool | None) -> tuple[Any, list[tf.Tensor]]:

@@ -167,10 +167,10 @@ class StageFunctions:
         """
         with tf.device(self.cell.device):
             if taped:
-                # With the variable handles it captured: a tape differentiates the call w.r.t.
-                # the variables it knows, which a loop's packed handles are not.
+                # Inside the loops, with the handles the loop passes (its caller's tape
+                # watches them: ``cell_pass._fed_handles``).
                 fn, args = self.taped_call(mb, deferred, input_grads)
-                result = fn(*args)
+                result = handles.call(fn, *args)
             else:
                 result = handles.call(self._plain_forward(), mb, self._defers(deferred, mb.training))
             outputs, out_mask, losses, before, moments = result
