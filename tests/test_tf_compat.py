@@ -134,7 +134,9 @@ def test_a_missing_tracer_fails_loudly(monkeypatch):
     from tensorflow.python.framework import func_graph
 
     monkeypatch.delattr(func_graph, "func_graph_from_py_func")
-    with pytest.raises(tf_compat.TFCompatError, match=r"func_graph_from_py_func.*what a loop's iteration emits"):
+    with pytest.raises(
+        tf_compat.TFCompatError, match=r"func_graph_from_py_func.*what a loop's iteration emits"
+    ):
         tf_compat.traced_unordered("probe", lambda: tf.constant(0), [])
 
 

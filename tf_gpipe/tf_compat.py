@@ -117,7 +117,9 @@ def traced_unordered(name: str, fn: Callable[..., Any], signature: Sequence[Any]
     ``add_control_dependencies=False``, the tracer under ``tf.function``.
     """
     trace = _private(
-        "tensorflow.python.framework.func_graph", "func_graph_from_py_func", "learn what a loop's iteration emits"
+        "tensorflow.python.framework.func_graph",
+        "func_graph_from_py_func",
+        "learn what a loop's iteration emits",
     )
     return trace(name, fn, list(signature), {}, add_control_dependencies=False)
 
