@@ -28,8 +28,9 @@ gradient in one iteration: the tape never leaves the loop body, and the K - s
 micro-batches a 1F1B stage holds are the iterations in flight.
 
 What leaves an iteration (outputs, layer losses, loss terms, weight gradients (summed)
-and gradient rows, BatchNormalization moments, a GPipe stage's stash) has a structure known once the body is
-traced; ``loop_state.emitting`` traces it once more for it, as a function never called: the
+and gradient rows, BatchNormalization moments, a GPipe stage's stash) has a structure known
+once the body is traced; ``loop_state.emitting`` traces it once more for it, into a graph
+never run and without automatic control dependencies (``tf_compat.traced_unordered``): the
 stage functions' traces are shared, so that costs the glue only.
 
 Each stage's forward and backward of one micro-batch are those of ``engine``'s built-out
