@@ -96,7 +96,9 @@ class Layout:
         step, or GPipe's output gradients, would be held twice at its peak (2 of the 22
         activations a K=2, M=2 step of test_guarantees peaked at, taped)."""
         arrays = self.arrays(len(values))
-        for m, value in enumerate(values):
+        # One index tensor per entry for all arrays, not a constant per write.
+        at = tf.unstack(tf.range(len(values)), num=len(values)) if len(self.specs) > 1 else range(len(values))
+        for m, value in zip(at, values):
             arrays = write(arrays, m, self.compress(value))
         return arrays
 
