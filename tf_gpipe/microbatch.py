@@ -179,19 +179,43 @@ def split(structure: Any, num_micro_batches: int, multiple_of: int = 1) -> Split
     else:
         n = tf.shape(tensors[0], out_type=tf.int32)[0]
         size_vec = n // M + tf.cast(tf.range(M) < n % M, tf.int32)
-        sizes = [size_vec[i] for i in range(M)]
+        sizes = tf.unstack(size_vec, num=M)
         static = False
         # An empty micro-batch starts at n: it takes the last example instead
         # (none when the whole batch is empty).
         begins = tf.minimum(tf.cumsum(size_vec, exclusive=True), tf.maximum(n - 1, 0))
-        ends = begins + tf.where(n > 0, tf.maximum(size_vec, 1), 0)
-        pieces = [[t[begins[i] : ends[i]] for i in range(M)] for t in tensors]
+        lengths = tf.where(n > 0, tf.maximum(size_vec, 1), 0)
+        if all(isinstance(t, tf.Tensor) for t in tensors):
+            pieces = _split_dynamic(tensors, n, size_vec, begins, lengths, M)
+        else:  # a SparseTensor: a slice per micro-batch
+            ends = begins + lengths
+            pieces = [[t[begins[i] : ends[i]] for i in range(M)] for t in tensors]
     chunks = []
     for i in range(len(sizes)):
         it = iter(p[i] for p in pieces)
         chunk_flat = [None if t is None else next(it) for t in flat]
         chunks.append(tf.nest.pack_sequence_as(structure, chunk_flat))
     return Split(chunks=chunks, sizes=sizes, static=static, padded=not static)
+
+
+def _split_dynamic(
+    tensors: list[tf.Tensor], n: tf.Tensor, sizes: tf.Tensor, begins: tf.Tensor, lengths: tf.Tensor, M: int
+) -> list[list[tf.Tensor]]:
+    """Each of ``tensors`` (batch size ``n``, known only at run time) cut into its ``M``
+    micro-batches: ``lengths[i]`` examples from ``begins[i]``. One split per tensor, not a
+    slice per micro-batch: a slice is ~10 ops traced, and a step's ops that grow with M
+    are what its first step grows by (benchmarks/first_step/README.md). With ``n >= M`` the
+    micro-batches partition the batch; with fewer examples the empty ones repeat the
+    last example, gathered first."""
+
+    def exact():
+        return [tf.split(t, sizes, num=M) for t in tensors]
+
+    def padded():
+        rows = tf.ragged.range(begins, begins + lengths).flat_values
+        return [tf.split(tf.gather(t, rows), lengths, num=M) for t in tensors]
+
+    return tf.cond(n >= M, exact, padded)
 
 
 def _attach_mask(outputs: Any, mask: Any) -> Any:
