@@ -128,8 +128,8 @@ def test_stage_call_sites_do_not_grow_with_micro_batches():
 def test_step_grows_by_a_few_ops_per_micro_batch():
     """What grows with M in the loops' step is each micro-batch's own input: its part of the
     batch, written to the loop's arrays, and its weight n_m/N. With the batch size unknown
-    while tracing (``fit`` on a dataset), K=2, 1F1B: at most 30 ops a micro-batch, 25 now
-    (57 when each micro-batch was cut by a slice of its own and weighed by a division)."""
+    while tracing (``fit`` on a dataset), K=2, 1F1B: at most 30 ops a micro-batch, 28 now
+    (57 when each micro-batch was cut by a slice of its own)."""
 
     def size(M):
         graph_def = _step_graph(M, True, schedule="1f1b")

@@ -14,21 +14,15 @@ from tf_gpipe.engine import StepLoss, accumulate, run_schedule
 __all__: list[str] = []
 
 
-def share_vector(sizes: list[Any], batch_size: tf.Tensor) -> tf.Tensor:
-    """Each micro-batch's share n_m / N of the mini-batch, as one vector.
+def shares(sizes: list[Any], batch_size: tf.Tensor) -> list[tf.Tensor]:
+    """Each micro-batch's share n_m / N of the mini-batch.
 
     Losses that layers add are batch means (Keras divides activity regularization by
     the batch size), so weighting each micro-batch's by its share adds up to the
-    unsplit model's value. One division for all M: a step's ops that grow with M are what
-    its first step grows by (benchmarks/first_step/README.md).
+    unsplit model's value.
     """
     total = tf.cast(batch_size, tf.float32)
-    return tf.math.divide_no_nan(tf.cast(tf.stack(sizes), tf.float32), total)
-
-
-def shares(sizes: list[Any], batch_size: tf.Tensor) -> list[tf.Tensor]:
-    """``share_vector``, one scalar per micro-batch."""
-    return tf.unstack(share_vector(sizes, batch_size), num=len(sizes))
+    return [tf.math.divide_no_nan(tf.cast(n, tf.float32), total) for n in sizes]
 
 
 class Gradients(NamedTuple):
@@ -129,8 +123,7 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     opt = model.optimizer if optimizer is None else optimizer
     unit = tf.constant(1.0) if opt is None else tf.convert_to_tensor(opt.scale_loss(tf.constant(1.0)))
     batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-    vector = share_vector(joint.sizes, batch_size)
-    weights = tf.unstack(vector, num=len(joint.sizes))
+    weights = shares(joint.sizes, batch_size)
     state: dict = {"direct": [None] * len(trainable), "loss": [], "valid": []}
     deferred = model.pipeline.deferred_stats(True)
 
@@ -196,7 +189,7 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
             batch_loss=batch_loss if not exact else None,
             micro_loss=micro_loss if exact else None,
             targets=targets,
-            layer_loss_grads=tf.unstack(unit * vector, num=len(joint.sizes)),
+            layer_loss_grads=[unit * share for share in weights],
         ),
         tracer=model.tracer,
         deferred=deferred,
