@@ -149,10 +149,11 @@ def test_1f1b_peak_memory_is_flat_in_m_without_a_timeline(peaks):
     stash = _1F1B["rows"] * _1F1B["width"] * 4  # one micro-batch's activation between two stages
     at4, at8 = peaks["1f1b"]
     # Running every forward as early as dataflow allows would keep M stashes on each of the
-    # K - 1 later devices: 12 more at M=8 than at M=4 (16 MiB more, measured, when broken).
-    # The order the runtime picks among ready ops moves the M=4 peak by up to ~4.5 stashes
-    # from run to run (10.5-13.5 MiB measured), hence half of 12 as the bound.
-    assert at8 - at4 < 6 * stash, (at4 / MiB, at8 / MiB)
+    # K - 1 later devices: 12 more at M=8 than at M=4 (13.3-16 MiB more, measured, with the
+    # loops' forward waits removed). The order the runtime picks among ready ops moves each
+    # peak by a few stashes from run to run: the difference measured 2.4-4.7 MiB in six
+    # runs on an idle box and 6.1 once in CI's parallel workers, hence 9 as the bound.
+    assert at8 - at4 < 9 * stash, (at4 / MiB, at8 / MiB)
 
 
 def test_remat_always_lowers_peak_memory(peaks):
