@@ -185,10 +185,10 @@ def split(structure: Any, num_micro_batches: int, multiple_of: int = 1) -> Split
         # (none when the whole batch is empty).
         begins = tf.minimum(tf.cumsum(size_vec, exclusive=True), tf.maximum(n - 1, 0))
         lengths = tf.where(n > 0, tf.maximum(size_vec, 1), 0)
+        ends = begins + lengths
         if all(isinstance(t, tf.Tensor) for t in tensors):
-            pieces = _split_dynamic(tensors, n, size_vec, begins, lengths, M)
+            pieces = _split_dynamic(tensors, n, size_vec, begins, ends, lengths, M)
         else:  # a SparseTensor: a slice per micro-batch
-            ends = begins + lengths
             pieces = [[t[begins[i] : ends[i]] for i in range(M)] for t in tensors]
     chunks = []
     for i in range(len(sizes)):
@@ -199,10 +199,16 @@ def split(structure: Any, num_micro_batches: int, multiple_of: int = 1) -> Split
 
 
 def _split_dynamic(
-    tensors: list[tf.Tensor], n: tf.Tensor, sizes: tf.Tensor, begins: tf.Tensor, lengths: tf.Tensor, M: int
+    tensors: list[tf.Tensor],
+    n: tf.Tensor,
+    sizes: tf.Tensor,
+    begins: tf.Tensor,
+    ends: tf.Tensor,
+    lengths: tf.Tensor,
+    M: int,
 ) -> list[list[tf.Tensor]]:
     """Each of ``tensors`` (batch size ``n``, known only at run time) cut into its ``M``
-    micro-batches: ``lengths[i]`` examples from ``begins[i]``. One split per tensor, not a
+    micro-batches: rows ``begins[i]`` to ``ends[i]`` (``lengths[i]`` of them). One split per tensor, not a
     slice per micro-batch: a slice is ~10 ops traced, and a step's ops that grow with M
     are what its first step grows by (benchmarks/first_step/README.md). With ``n >= M`` the
     micro-batches partition the batch; with fewer examples the empty ones repeat the
@@ -212,7 +218,7 @@ def _split_dynamic(
         return [tf.split(t, sizes, num=M) for t in tensors]
 
     def padded():
-        rows = tf.ragged.range(begins, begins + lengths).flat_values
+        rows = tf.ragged.range(begins, ends).flat_values
         return [tf.split(tf.gather(t, rows), lengths, num=M) for t in tensors]
 
     return tf.cond(n >= M, exact, padded)
