@@ -89,7 +89,7 @@ def forward(
         before=before,
         pooled=deferred is not None,
         split=symbolic and not remat,
-        fed=None if remat else fed,
+        fed={} if remat else fed,
     )
 
 
@@ -203,7 +203,7 @@ def backward(
             flat_in,
             float_pos,
             [flat_in[i] for i in float_pos],
-            [(record.fed or {}).get(id(v), v) for v in (cell.trainable_variables if to_sums else variables)],
+            [record.fed.get(id(v), v) for v in (cell.trainable_variables if to_sums else variables)],
             need_input_grads,
             None if to_sums else record.nonempty,  # the sums skip an empty micro-batch's
         )

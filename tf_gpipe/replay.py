@@ -82,8 +82,9 @@ class Record:
     kept: list[tf.Tensor] | None = None
     plan: Any = None
     # Taped inside the loops: ``{id(variable): the handle tensor}`` the call read each
-    # trainable variable through (``tf_gpipe.handles``), which its gradient is taken w.r.t.
-    fed: dict[int, tf.Tensor] | None = None
+    # trainable variable through (``tf_gpipe.handles``), which its gradient is taken w.r.t.;
+    # empty where the call read the variables themselves.
+    fed: dict[int, tf.Tensor] = field(default_factory=dict)
 
 
 def run(cell: Cell, record: Record, training: bool | None) -> tuple[Any, list[tf.Tensor]]:
