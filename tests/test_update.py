@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, data, mlp_layers, pair, partition_graphs
+from helpers import assert_all_close, data, mlp_layers, pair, partition_graphs, same_device
 
 from tf_gpipe import update
 from tf_gpipe.cell import move_variables
@@ -190,9 +190,9 @@ def test_every_keras_optimizer_updates_on_its_variables_devices(cpu_devices):
     assert not misplaced, f"optimizer ops on CPU:0, where no variable lives: {misplaced}"
 
 
-def test_update_waits_for_every_gradient_through_one_op_per_device(cpu_devices):
+def test_update_waits_for_every_gradient_through_one_op(cpu_devices):
     """The update starts once every gradient is made, and each of its ops waits through
-    one control edge per device, not one per gradient: a loop step's summed gradients
+    one control edge, not one per gradient or per device: a loop step's summed gradients
     are each read by an op of their own, ~70 of them at K=4, on each of ~1,000 ops."""
     devices = cpu_devices[1:3]
     ours = [keras.Variable(np.ones((3,), "float32")) for _ in range(6)]
@@ -218,8 +218,14 @@ def test_update_waits_for_every_gradient_through_one_op_per_device(cpu_devices):
     gates = [op for op in graph.get_operations() if op.name.startswith("gradients_done")]
     assert len(gates) == 2 and {g.device for g in gates} == set(devices)
     assert set().union(*({c.name for c in g.control_inputs} for g in gates)) == made
-    gated = [op for op in graph.get_operations() if any(c in gates for c in op.control_inputs)]
+    (gate,) = [op for op in graph.get_operations() if op.name.startswith("all_gradients_done")]
+    assert set(gate.control_inputs) == set(gates) and same_device(gate.device, devices[0])
+    gated = [op for op in graph.get_operations() if gate in op.control_inputs]
     assert gated, "no op of the update waits for the gradients"
+    doubly = [
+        op.name for op in graph.get_operations() if set(op.control_inputs) & set(gates) and op is not gate
+    ]
+    assert not doubly, f"ops waiting for a device's gradients through edges of their own: {doubly[:5]}"
     direct = [
         op.name
         for op in graph.get_operations()
