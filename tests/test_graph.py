@@ -87,14 +87,14 @@ def test_resnet_outputs_gradients_and_fit(K, M, remat, cpu_devices):
     assert_all_close([model.predict(x, verbose=0)], [pm.predict(x, verbose=0)])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_transformer_with_dict_inputs_and_outputs(schedule):
     model = transformer_like(two_inputs=True, blocks=1)  # its 12 nodes still make 3 stages of 4
     ref = _clone(model)
     pm = tf_gpipe.PipelineModel.from_model(model, num_stages=3, num_micro_batches=2, schedule=schedule)
     rng = np.random.RandomState(1)
-    x = {"tokens": rng.randint(0, 20, (8, 6)), "extra": rng.randn(8, 6, 16).astype("float32")}
-    y = {"logits": rng.randint(0, 3, 8), "aux": rng.randn(8, 1).astype("float32")}
+    x = {"tokens": rng.randint(0, 20, (10, 6)), "extra": rng.randn(10, 6, 16).astype("float32")}
+    y = {"logits": rng.randint(0, 3, 10), "aux": rng.randn(10, 1).astype("float32")}
     out_ref, out = ref(x), pm(x)
     assert_all_close([out_ref["logits"], out_ref["aux"]], [out["logits"], out["aux"]])
     for m in (ref, pm):
@@ -102,7 +102,12 @@ def test_transformer_with_dict_inputs_and_outputs(schedule):
             optimizer="adam",
             loss={"logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "aux": "mse"},
         )
-        m.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    # Batches of 5: micro-batches of 3 and 2.
+    history = [m.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0).history for m in (ref, pm)]
+    # Each output's loss as fit reports it: Keras' metrics, updated inside the loss.
+    assert sorted(history[1]) == ["aux_loss", "logits_loss", "loss"]
+    for key, values in history[0].items():
+        np.testing.assert_allclose(history[1][key], values, rtol=1e-4, atol=1e-5)
     a, b = ref.predict(x, verbose=0), pm.predict(x, verbose=0)
     assert_all_close([a["logits"], a["aux"]], [b["logits"], b["aux"]], rtol=1e-4, atol=1e-5)
 

@@ -194,7 +194,13 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         tracer=model.tracer,
         deferred=deferred,
         # An override's gradients w.r.t. the weights are summed beside the loops (``direct``).
-        micro_batch_loops=False if custom else getattr(model, "micro_batch_loops", False),
+        # Keras updates a loss metric per output inside the loss, which a loop body neither
+        # keeps nor orders (their read-modify-writes would race, or be pruned).
+        micro_batch_loops=(
+            False
+            if custom or (exact and _updates_metrics(loss_model, y))
+            else getattr(model, "micro_batch_loops", False)
+        ),
     )
     state["loss"] += [row[0] for row in terms]
     state["valid"] += [row[1] for row in terms if row[1] is not None]
@@ -243,6 +249,18 @@ def _loss_per_micro_batch_override(model: Any) -> bool:
     per-micro-batch schedule), whose weight gradients the step sums beside the stages': then
     the step is built out."""
     return model.schedule != "gpipe" and _overrides_compute_loss(model)
+
+
+def _updates_metrics(model: Any, y: Any) -> bool:
+    """Whether ``model``'s compiled loss updates metrics of its own when called: Keras keeps a
+    loss ``Mean`` per output when there are several (known once it is built; before, from
+    the targets ``y``)."""
+    compiled = keras_compat.compiled_loss(model)
+    if compiled is None:
+        return False
+    if getattr(compiled, "built", False):
+        return bool(compiled.metrics)
+    return len(tf.nest.flatten(y)) > 1
 
 
 def _overrides_compute_loss(model: Any) -> bool:
