@@ -87,6 +87,12 @@ flags.DEFINE_enum(
     "that each pipeline cell cuts with PipelineModel.from_model, as a user would port it; its "
     "unsplit functional model takes keras.Sequential's place.",
 )
+flags.DEFINE_bool(
+    "compute_loss_override",
+    False,
+    "The models subclasses overriding compute_loss (the compiled loss plus 1e-3 * mean(y_pred**2), "
+    "a mean over examples; --model=transformer): called per micro-batch by 1f1b, interleaved, zb-h1.",
+)
 flags.DEFINE_string("out", os.path.join(harness.OUT_DIR, "first_step.json"), "JSON of the run.")
 flags.DEFINE_bool("child", False, "Internal: one cell (M=0: keras.Sequential) in this process.")
 
@@ -186,15 +192,30 @@ def _model(schedule: str, remat: str, m: int, devices):
         virtual_stages=VIRTUAL_STAGES if schedule == "interleaved" else 1,
         micro_batch_loops=loops,
     )
+    sequential, pipeline = keras.Sequential, tf_gpipe.PipelineModel
+    if FLAGS.compute_loss_override:
+        sequential, pipeline = _penalized(sequential), _penalized(pipeline)
     if FLAGS.model == "vit":
-        model = tf_gpipe.PipelineModel.from_model(_vit(), **pipelined) if m else _vit()
+        model = pipeline.from_model(_vit(), **pipelined) if m else _vit()
     elif m == 0:
-        model = keras.Sequential(_layers())
+        model = sequential(_layers())
     else:
-        model = tf_gpipe.PipelineModel(_layers(), **pipelined)
+        model = pipeline(_layers(), **pipelined)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile="auto")
     return model
+
+
+def _penalized(base):
+    """``base`` with ``compute_loss`` overridden, as a user adds a penalty to the compiled loss."""
+    from keras import ops
+
+    class Penalized(base):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+            return loss + 1e-3 * ops.mean(ops.square(y_pred))
+
+    return Penalized
 
 
 def _data():
