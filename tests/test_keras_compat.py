@@ -481,6 +481,18 @@ def test_flat_compiled_losses_name_each_outputs_loss():
     assert entry.loss.reduction == "sum", f"{VERSION}: {entry}"
 
 
+def test_compiled_loss_metrics_are_a_loss_mean_per_output():
+    inp = keras.Input((2,))
+    model = keras.Model(inp, {"a": keras.layers.Dense(1)(inp), "b": keras.layers.Dense(1)(inp)})
+    assert keras_compat.compiled_loss_metrics(model) == [], VERSION  # no compiled loss
+    model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
+    assert keras_compat.compiled_loss_metrics(model) is None, VERSION  # not built yet
+    y = {"a": tf.ones((1, 1)), "b": tf.ones((1, 1))}
+    keras_compat.compiled_loss(model)(y, {"a": tf.zeros((1, 1)), "b": tf.zeros((1, 1))}, None)
+    names = sorted(m.name for m in keras_compat.compiled_loss_metrics(model))
+    assert names == ["a_loss", "b_loss"], f"{VERSION}: {names}"
+
+
 def test_model_compute_loss_serves_old_style_overrides():
     class OldStyle(keras.Sequential):
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):  # no training=

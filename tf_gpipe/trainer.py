@@ -255,12 +255,8 @@ def _updates_metrics(model: Any, y: Any) -> bool:
     """Whether ``model``'s compiled loss updates metrics of its own when called: Keras keeps a
     loss ``Mean`` per output when there are several (known once it is built; before, from
     the targets ``y``)."""
-    compiled = keras_compat.compiled_loss(model)
-    if compiled is None:
-        return False
-    if getattr(compiled, "built", False):
-        return bool(compiled.metrics)
-    return len(tf.nest.flatten(y)) > 1
+    metrics = keras_compat.compiled_loss_metrics(model)
+    return bool(metrics) if metrics is not None else len(tf.nest.flatten(y)) > 1
 
 
 def _overrides_compute_loss(model: Any) -> bool:

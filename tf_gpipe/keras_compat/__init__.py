@@ -38,6 +38,7 @@ from tf_gpipe.keras_compat.models import (
     aggregate_additional_loss,
     clear_losses,
     compiled_loss,
+    compiled_loss_metrics,
     data_spec,
     flat_compiled_losses,
     functional_nodes,

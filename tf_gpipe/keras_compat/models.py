@@ -133,6 +133,21 @@ def flat_compiled_losses(model: keras.Model) -> list:
     return list(private_attribute(loss, "_flat_losses", "check the reduction of each compiled loss") or [])
 
 
+def compiled_loss_metrics(model: keras.Model) -> list | None:
+    """The metrics the compiled loss updates each time it is called (Keras keeps a loss
+    ``Mean`` per output of a model with several), or None before its first call builds it.
+
+    A loop over micro-batches can neither keep nor order those updates. Uses
+    ``CompileLoss.built`` and ``CompileLoss.metrics``.
+    """
+    loss = compiled_loss(model)
+    if loss is None:
+        return []
+    if not private_attribute(loss, "built", "find the metrics the compiled loss updates"):
+        return None
+    return list(private_attribute(loss, "metrics", "find the metrics the compiled loss updates"))
+
+
 def model_compute_loss(
     model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool = True
 ) -> Any:
