@@ -493,6 +493,18 @@ def test_compiled_loss_metrics_are_a_loss_mean_per_output():
     assert names == ["a_loss", "b_loss"], f"{VERSION}: {names}"
 
 
+def test_recorded_metric_updates_update_nothing_and_are_replayable():
+    metric, ours = keras.metrics.Mean(), keras.metrics.Sum()
+    with keras_compat.recorded_metric_updates() as calls:
+        metric.update_state(3.0, sample_weight=2)
+        ours.update_state(tf.constant(5.0))
+    assert float(metric.result()) == 0.0 and float(ours.result()) == 0.0, VERSION
+    assert calls[0] == (metric, (3.0,), {"sample_weight": 2}), VERSION
+    for m, args, kwargs in calls:  # out of the scope: the calls update
+        m.update_state(*args, **kwargs)
+    assert float(metric.result()) == 3.0 and float(ours.result()) == 5.0, VERSION
+
+
 def test_model_compute_loss_serves_old_style_overrides():
     class OldStyle(keras.Sequential):
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):  # no training=

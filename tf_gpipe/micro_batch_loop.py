@@ -44,12 +44,13 @@ while the step runs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tf_gpipe import loop_state, ordering, replay, sparse, stage
+from tf_gpipe import keras_compat, loop_state, ordering, replay, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import MicroBatch, Split
@@ -130,6 +131,17 @@ def forward(
         step = _Step(waits, stages, split, masks, sides, StepLoss(), deferred, training, taped)
         outputs, out_masks, _, cell_losses, _ = step.run()
     return outputs, out_masks, cell_losses
+
+
+_TENSOR = object()  # where a recorded metric update took a tensor
+
+
+def _constant_part(v: Any) -> Any:
+    return _TENSOR if tf.is_tensor(v) else v
+
+
+def _filled(tensors: Any, v: Any) -> Any:
+    return next(tensors) if v is _TENSOR else v
 
 
 class _Step:
@@ -220,6 +232,36 @@ class _Step:
                     emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
         return in_grads
 
+    def _loss(self, micro_loss, x, mask, target, emit):
+        """A micro-batch's loss gradients and terms. The metric updates it makes are handed
+        out of the loop (emitted) and made after it, in micro-batch order
+        (``_replay_metric_updates``): in the body nothing would keep or order them. Rows (a
+        weight's gradient from an override that gathers from it) are summed dense."""
+        device = self.cells[-1].device
+        graph = tf.compat.v1.get_default_graph()
+        known = len(graph.get_operations())
+        with tf.device(device), tf.name_scope("loss"), keras_compat.recorded_metric_updates() as calls:
+            dy, terms = micro_loss(x, mask, target)
+        writes = [op.name for op in graph.get_operations()[known:] if not op.outputs]
+        if writes:
+            raise ValueError(
+                f"tf_gpipe: the loss of each micro-batch changes state other than Keras metrics "
+                f"(ops {writes[:3]}), which the loops over micro-batches cannot order; pass "
+                "micro_batch_loops=False to PipelineModel."
+            )
+        self.metric_calls = [(m, tf.nest.map_structure(_constant_part, (a, k))) for m, a, k in calls]
+        tensors = [t for _, a, k in calls for t in tf.nest.flatten((a, k)) if tf.is_tensor(t)]
+        emit["metric_updates",] = ("each", device, tensors)
+        terms = [tf.convert_to_tensor(t) if isinstance(t, tf.IndexedSlices) else t for t in terms]
+        return dy, terms
+
+    def _replay_metric_updates(self, out, state):
+        for row in out.each(state, ("metric_updates",)):
+            given = iter(row)
+            for metric, recorded in self.metric_calls:
+                args, kwargs = tf.nest.map_structure(functools.partial(_filled, given), recorded)
+                metric.update_state(*args, **kwargs)
+
     # ---------------------------------------------------------------------------- the step
     def run(self):
         micro_loss, batch_loss = self.loss.micro_loss, self.loss.batch_loss
@@ -237,8 +279,7 @@ class _Step:
                 for s in range(S):
                     records.append(self.forward(s, x, mask, side, m, state, now, emit))
                     x, mask = records[s].outputs, records[s].out_mask
-                with tf.device(cells[-1].device), tf.name_scope("loss"):
-                    dy, terms = micro_loss(x, mask, target)
+                dy, terms = self._loss(micro_loss, x, mask, target, emit)
                 emit["out",] = ("each", cells[-1].device, (x, mask))
                 emit["terms",] = ("sum", cells[-1].device, terms)
                 for s in reversed(range(S)):
@@ -247,6 +288,7 @@ class _Step:
                 return emit
 
             out, state = loop_state.emitting(M, devices, self.tokens.initial("FBW"), iteration)
+            self._replay_metric_updates(out, state)
             return self._results([(out, state)], [out.total(state, ("terms",))])
 
         def forwards(m, state):

@@ -54,14 +54,13 @@ def make_state(model: Any) -> None:
 def build_gradient_sums(model: Any) -> None:
     """Each stage's variables that sum its gradients over micro-batches, made before the
     training step is traced, where the step will be built out (M > 1, and no loops asked
-    for, a timeline, or a ``compute_loss`` override): the loops over micro-batches carry
-    their sums as loop variables, which take memory only while the step runs. A step built
-    out that finds none makes them in its trace (traced twice, then)."""
+    for, or a timeline): the loops over micro-batches carry their sums as loop variables,
+    which take memory only while the step runs. A step built out that finds none makes
+    them in its trace (traced twice, then)."""
     if not (model.built and model.num_micro_batches > 1):
         return
-    custom = _loss_per_micro_batch_override(model)
     loops = loop_choice.chosen(getattr(model, "micro_batch_loops", False))
-    if custom or getattr(model, "tracer", None) is not None or not loops:
+    if getattr(model, "tracer", None) is not None or not loops:
         for cell in model.cells:
             stage.functions(cell).sums.variables(cell.trainable_variables)
 
@@ -165,13 +164,13 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
                     valid = tf.where(nonempty, valid, tf.zeros_like(valid))
             scaled = value if opt is None else opt.scale_loss(value)
         # An override may read the weights directly (the regularization losses Keras'
-        # compute_loss adds): those gradients are summed over the micro-batches here.
+        # compute_loss adds): those gradients are terms of the row, summed over the
+        # micro-batches as the loss is (by the loops, or below).
         sources = watched + (list(trainable) if custom else [])
         got = tape.gradient(scaled, sources, unconnected_gradients=tf.UnconnectedGradients.NONE)
-        if custom:
-            state["direct"] = [accumulate(a, g) for a, g in zip(state["direct"], got[len(watched) :])]
         it = iter(got[: len(watched)])
-        return [next(it) if structure.is_float(t) else None for t in flat], [value, valid]
+        dy = [next(it) if structure.is_float(t) else None for t in flat]
+        return dy, [value, valid, *got[len(watched) :]]
 
     # What each micro-batch's loss reads besides the outputs (``micro_loss``).
     targets = [
@@ -193,17 +192,22 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         ),
         tracer=model.tracer,
         deferred=deferred,
-        # An override's gradients w.r.t. the weights are summed beside the loops (``direct``).
-        # Keras updates a loss metric per output inside the loss, which a loop body neither
-        # keeps nor orders (their read-modify-writes would race, or be pruned).
+        # The metric updates a loss makes inside the loops are made after them, with the
+        # arguments each micro-batch gave (``keras_compat.recorded_metric_updates``). Keras
+        # weighs its loss metric per output by the batch size of the static shape, which the
+        # loops' micro-batches of unequal known sizes do not keep: those steps are built out.
         micro_batch_loops=(
             False
-            if custom or (exact and _updates_metrics(loss_model, y))
+            if exact and _unequal(joint.sizes) and _updates_metrics(loss_model, y)
             else getattr(model, "micro_batch_loops", False)
         ),
     )
     state["loss"] += [row[0] for row in terms]
     state["valid"] += [row[1] for row in terms if row[1] is not None]
+    for row in terms if custom else []:  # an override's gradients w.r.t. the weights
+        for i, (v, g) in enumerate(zip(trainable, row[2:])):
+            with tf.device(v.value.device):
+                state["direct"][i] = accumulate(state["direct"][i], g)
     loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
     factor = _valid_factor(model, state["valid"], cell_losses) if state["valid"] else None
     if factor is not None:
@@ -246,9 +250,13 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
 
 def _loss_per_micro_batch_override(model: Any) -> bool:
     """Whether ``model``'s step calls its ``compute_loss`` override on each micro-batch (a
-    per-micro-batch schedule), whose weight gradients the step sums beside the stages': then
-    the step is built out."""
+    per-micro-batch schedule), whose weight gradients the step sums beside the stages'."""
     return model.schedule != "gpipe" and _overrides_compute_loss(model)
+
+
+def _unequal(sizes: list[Any]) -> bool:
+    """Whether micro-batch ``sizes`` are known while tracing and not all the same."""
+    return all(isinstance(n, int) for n in sizes) and len(set(sizes)) > 1
 
 
 def _updates_metrics(model: Any, y: Any) -> bool:

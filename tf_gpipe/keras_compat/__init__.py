@@ -48,6 +48,7 @@ from tf_gpipe.keras_compat.models import (
     node_arguments,
     operation_caller,
     outputs_structure,
+    recorded_metric_updates,
     sequential_functional,
     set_initial_epoch,
     standardize_inputs,

@@ -4,7 +4,10 @@ custom ``train_step`` needs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -207,3 +210,65 @@ def sequential_functional(model: keras.Sequential) -> Any:
     """
     why = "read the input spec and graph of a built keras.Sequential"
     return private_attribute(model, "_functional", why)  # set (to None) by Sequential.__init__
+
+
+# --------------------------------------------------- metric updates, recorded to replay
+_recording = threading.local()
+_patch_lock = threading.Lock()
+_patched: dict[type, Any] = {}
+_patch_depth = [0]
+
+
+def _metric_classes() -> list[type]:
+    found, stack = [], [keras.metrics.Metric]
+    while stack:
+        cls = stack.pop()
+        found.append(cls)
+        stack.extend(cls.__subclasses__())
+    return [c for c in found if "update_state" in vars(c)]
+
+
+def _recorder(original: Any) -> Any:
+    @functools.wraps(original)
+    def update_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls = getattr(_recording, "calls", None)
+        if calls is None:
+            return original(self, *args, **kwargs)
+        calls.append((self, args, kwargs))
+        return None
+
+    return update_state
+
+
+@contextlib.contextmanager
+def recorded_metric_updates() -> Iterator[list[tuple[Any, tuple, dict]]]:
+    """Within this scope, in this thread, a Keras metric's ``update_state(*args, **kwargs)``
+    updates nothing: the call is added, as ``(metric, args, kwargs)``, to the list this
+    yields, for the caller to make later.
+
+    A loop over micro-batches runs each micro-batch's loss in its body, where the updates
+    Keras makes inside a loss (a loss ``Mean`` per output, a ``compute_loss`` override's
+    trackers) would be pruned, or race each other (``assign_add`` is a read and a write);
+    the loop hands their arguments out instead, and the step makes the calls after it, in
+    micro-batch order. Replaces ``update_state`` on every ``keras.metrics.Metric`` class that
+    defines one, while any thread is in this scope.
+    """
+    calls: list[tuple[Any, tuple, dict]] = []
+    with _patch_lock:
+        if _patch_depth[0] == 0:
+            for cls in _metric_classes():
+                _patched[cls] = vars(cls)["update_state"]
+                cls.update_state = _recorder(_patched[cls])  # type: ignore[attr-defined]
+        _patch_depth[0] += 1
+    previous = getattr(_recording, "calls", None)
+    _recording.calls = calls
+    try:
+        yield calls
+    finally:
+        _recording.calls = previous
+        with _patch_lock:
+            _patch_depth[0] -= 1
+            if _patch_depth[0] == 0:
+                for cls, original in _patched.items():
+                    cls.update_state = original  # type: ignore[attr-defined]
+                _patched.clear()
