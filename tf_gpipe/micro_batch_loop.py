@@ -31,7 +31,9 @@ What leaves an iteration (outputs, layer losses, loss terms, weight gradients (s
 and gradient rows, BatchNormalization moments, a GPipe stage's stash) has a structure known
 once the body is traced; ``loop_state.emitting`` traces it once more for it, into a graph
 never run and without automatic control dependencies (``tf_compat.traced_unordered``): the
-stage functions' traces are shared, so that costs the glue only.
+stage functions' traces are shared, so that costs the glue only. The metric updates a
+micro-batch's loss makes leave it too, as their arguments: the step makes them after the
+loop, in micro-batch order (``keras_compat.recorded_metric_updates``).
 
 Each stage's forward and backward of one micro-batch are those of ``engine``'s built-out
 step (``pipeline_stage.PipelineStage``), and the stage says what a backward reads of its

@@ -204,10 +204,11 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     )
     state["loss"] += [row[0] for row in terms]
     state["valid"] += [row[1] for row in terms if row[1] is not None]
-    for row in terms if custom else []:  # an override's gradients w.r.t. the weights
-        for i, (v, g) in enumerate(zip(trainable, row[2:])):
-            with tf.device(v.value.device):
-                state["direct"][i] = accumulate(state["direct"][i], g)
+    if custom:  # an override's gradients w.r.t. the weights, after the loss terms
+        for row in terms:
+            for i, (v, g) in enumerate(zip(trainable, row[2:])):
+                with tf.device(v.value.device):
+                    state["direct"][i] = accumulate(state["direct"][i], g)
     loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
     factor = _valid_factor(model, state["valid"], cell_losses) if state["valid"] else None
     if factor is not None:
@@ -255,7 +256,9 @@ def _loss_per_micro_batch_override(model: Any) -> bool:
 
 
 def _unequal(sizes: list[Any]) -> bool:
-    """Whether micro-batch ``sizes`` are known while tracing and not all the same."""
+    """Whether micro-batch ``sizes`` are known while tracing and not all the same: the
+    loops then give the micro-batches one shape of unknown batch size (``_Step.relax`` in
+    ``tf_gpipe.micro_batch_loop``)."""
     return all(isinstance(n, int) for n in sizes) and len(set(sizes)) > 1
 
 
