@@ -322,6 +322,32 @@ def test_to_functional_exports_an_unsplit_copy(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_weights_pass_in_the_source_models_order():
+    # Two equal-shaped heads that the cut orders otherwise than Keras lists them (h, y2, y1
+    # stage by stage; h, y1, y2 in the functional model): a weight list in stage order
+    # would swap the heads without an error.
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((4,))
+    y1 = keras.layers.Dense(4, name="y1")(inp)
+    y2 = keras.layers.Dense(4, name="y2")(keras.layers.Dense(4, name="h")(inp))
+    model = keras.Model(inp, {"o2": y2, "o1": y1})
+    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=3, num_micro_batches=2)
+    assert [v.path for v in pm.weights] != [v.path for v in model.weights]  # what the test needs
+    for a, b in zip(pm.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    other = keras.models.clone_model(model)
+    rng = np.random.RandomState(0)
+    other.set_weights([rng.randn(*w.shape).astype("float32") for w in other.get_weights()])
+    pm.set_weights(other.get_weights())
+    x = rng.randn(5, 4).astype("float32")
+    out, ref = pm.predict(x, verbose=0), other.predict(x, verbose=0)
+    assert_all_close([out["o1"], out["o2"]], [ref["o1"], ref["o2"]])
+    with pytest.raises(ValueError, match=r"got 5 arrays for the 6 weights"):
+        pm.set_weights(other.get_weights()[:5])
+    with pytest.raises(ValueError, match=r"shape \(4,\) for the weight 'h/kernel'"):
+        pm.set_weights(other.get_weights()[1:] + other.get_weights()[:1])
+
+
 def test_to_functional_needs_from_model():
     pm = tf_gpipe.PipelineModel([keras.Input((3,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match=r"list of layers: use model.to_sequential\(\)"):

@@ -420,10 +420,11 @@ class PipelineModel(keras.Model):
     def from_config(cls, config: dict, custom_objects: Any = None) -> PipelineModel:
         return saving.from_config(cls, config, custom_objects)
 
+    def get_weights(self) -> list[Any]:
+        return [v.numpy() for v in saving.listed_weights(self)]
+
     def set_weights(self, weights: Any) -> None:
-        if not self.built:  # Keras alone would say "expecting 0 weights"
-            raise ValueError(saving.not_built("set_weights()"))
-        super().set_weights(weights)
+        saving.set_weights(self, weights)
 
     def export(self, filepath: Any, format: str = "tf_saved_model", verbose: Any = None,
                input_signature: Any = None, **kwargs: Any) -> Any:  # fmt: skip

@@ -177,6 +177,46 @@ def export_saved_model(model: Any, filepath: Any, verbose: Any, signature: Any, 
     archive.write_out(filepath, options=options, verbose=True if verbose is None else verbose)
 
 
+def listed_weights(model: Any) -> list[Any]:
+    """The variables ``get_weights()`` and ``set_weights()`` list, in order.
+
+    After ``from_model``, the source model's order (Keras lists a functional model's weights
+    layer by layer in its own order), so a weight list passes between the pipeline, its source,
+    ``to_functional()`` and any clone of the source: stage by stage, a branching model's
+    equal-shaped weights (two heads) would land on each other's layers without an error.
+    Else the layers' order, as ``keras.Sequential(layers)``'s. Variables of the pipeline's
+    own that the source does not list follow, in the pipeline's order.
+    """
+    own = model.weights
+    if model.source_model is None:
+        return own
+    held = {id(v) for v in own}
+    ordered = [v for v in model.source_model.weights if id(v) in held]
+    listed = {id(v) for v in ordered}
+    return ordered + [v for v in own if id(v) not in listed]
+
+
+def set_weights(model: Any, weights: Any) -> None:
+    """``set_weights()`` in ``listed_weights``' order, with Keras' checks."""
+    if not model.built:  # Keras alone would say "expecting 0 weights"
+        raise ValueError(not_built("set_weights()"))
+    variables = listed_weights(model)
+    if len(variables) != len(weights):
+        raise ValueError(
+            f"tf_gpipe: set_weights() got {len(weights)} arrays for the {len(variables)} weights "
+            f"of {model.name!r}; pass one array per weight, in the order get_weights() lists them."
+        )
+    for variable, value in zip(variables, weights):
+        if tuple(variable.shape) != tuple(getattr(value, "shape", ())):
+            raise ValueError(
+                f"tf_gpipe: set_weights() got an array of shape {getattr(value, 'shape', ())} for "
+                f"the weight {variable.path!r} of shape {tuple(variable.shape)}; pass the arrays "
+                "in the order get_weights() lists them."
+            )
+    for variable, value in zip(variables, weights):
+        variable.assign(value)
+
+
 def not_built(what: str) -> str:
     """The error for ``what`` on a PipelineModel that is not built yet."""
     return (
