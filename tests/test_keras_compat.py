@@ -532,6 +532,34 @@ def test_clear_losses_forgets_earlier_calls():
     assert model.losses == [], f"{VERSION}: {model.losses}"
 
 
+def test_losses_listed_is_what_compute_loss_adds():
+    class Added(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(tf.reduce_sum(x))
+            return x
+
+    model = keras.Sequential(
+        [keras.Input((2,)), Added(), keras.layers.Dense(1, kernel_regularizer=keras.regularizers.L1(1.0))]
+    )
+    model.compile(loss="mse")
+    x, y = tf.ones((1, 2)), tf.zeros((1, 1))
+    y_pred = model(x)
+    kernel = model.layers[-1].kernel
+    # What tf_gpipe.regularization relies on: the added losses first, the weights' last.
+    assert [float(v) for v in model.losses] == [2.0, float(tf.reduce_sum(tf.abs(kernel)))], VERSION
+    with keras_compat.losses_listed(model, [tf.constant(5.0)]):
+        assert [float(v) for v in model.losses] == [5.0], VERSION
+        listed = float(model.compute_loss(x, y, y_pred))
+    assert listed == pytest.approx(float(tf.reduce_mean(tf.square(y_pred))) + 5.0), f"{VERSION}: {listed}"
+    assert len(model.losses) == 2, VERSION  # computed again outside the scope
+    object.__delattr__(model, "_losses_override")  # as a Keras without it would have it
+    with (
+        pytest.raises(keras_compat.KerasCompatError, match=r"no longer provides"),
+        keras_compat.losses_listed(model, []),
+    ):
+        pass
+
+
 def test_unscale_loss_for_distribution_is_the_identity_on_one_replica():
     loss = tf.constant(3.0)
     assert float(keras_compat.unscale_loss_for_distribution(loss)) == 3.0, VERSION

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair, partition_graphs, same_device
 
+import tf_gpipe
 from tf_gpipe import update
 from tf_gpipe.cell import move_variables
 
@@ -233,3 +234,101 @@ def test_update_waits_for_every_gradient_through_one_op(cpu_devices):
     ]
     assert not direct, f"ops waiting for a gradient through an edge of their own: {direct[:5]}"
     step(tf.ones([3]))
+
+
+class _Penalized:
+    """A ``compute_loss`` override as Keras' docs write one: the compiled loss and the layers'
+    regularization (``super()``), plus a term of its own."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        base = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return base + keras.ops.mean(y_pred**2)
+
+
+class _PenalizedSequential(_Penalized, keras.Sequential):
+    pass
+
+
+class _PenalizedPipeline(_Penalized, tf_gpipe.PipelineModel):
+    pass
+
+
+@pytest.mark.parametrize(
+    "schedule,loops,override",
+    [
+        ("gpipe", True, False),
+        ("1f1b", True, False),
+        ("1f1b", False, False),
+        ("1f1b", True, True),
+        ("gpipe", True, True),
+    ],
+)
+def test_weight_regularization_runs_on_each_weights_device(schedule, loops, override, cpu_devices):
+    """Keras computes a regularizer where ``model.losses`` is read: on the default device
+    (CPU:0, where no stage lives), or the loss's (the last stage's); the step computes each
+    weight's term and its gradient on the weight's device."""
+
+    def make_layers():
+        keras.utils.set_random_seed(0)
+        l2, l1 = keras.regularizers.L2(0.01), keras.regularizers.L1(0.02)
+        return [
+            keras.layers.Dense(6, activation="tanh", kernel_regularizer=l2),
+            keras.layers.Dense(6, activation="tanh", kernel_regularizer=l2, bias_regularizer=l1),
+            keras.layers.Dense(6, activation="tanh"),
+            keras.layers.Dense(3, kernel_regularizer=l2),
+        ]
+
+    seq = (_PenalizedSequential if override else keras.Sequential)(make_layers(), name="seq")
+    seq.build((None, 8))
+    kind = _PenalizedPipeline if override else tf_gpipe.PipelineModel
+    pm = kind(make_layers(), devices=cpu_devices[1:], balance=[2, 1, 1], num_micro_batches=3,
+              schedule=schedule, micro_batch_loops=loops)  # fmt: skip
+    pm.build((None, 8))
+    pm.set_weights(seq.get_weights())
+    for m in (seq, pm):
+        m.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    x, y = data(10)  # micro-batches of 4, 3, 3
+    losses = []
+    nodes = _ran(lambda: losses.append(pm.train_on_batch(x, y)))
+    # Each term's ops (named for the step's scope), its L2 Squares and L1 Abs on its weight's
+    # device; none of theirs, nor of the override, on the default device.
+    ours = collections.defaultdict(list)
+    for dev, ns in nodes.items():
+        ours[dev] += [
+            op for op, n in ns if "Send" not in op and "Recv" not in op and "/regularization" in f"/{n}"
+        ]
+    assert not ours["CPU:0"] and not ours["CPU:2"] and ours["CPU:1"] and ours["CPU:3"], dict(ours)
+    assert (ours["CPU:1"].count("Square"), ours["CPU:1"].count("Abs"), ours["CPU:3"].count("Square")) == (
+        2,
+        1,
+        1,
+    )
+    assert not [n for n in nodes.get("CPU:0", []) if n[0] in ("Square", "Pow", "Abs")], nodes["CPU:0"]
+    assert_all_close([losses[0]], [seq.train_on_batch(x, y)], rtol=1e-5)
+    assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "schedule,loops", [("gpipe", True), ("gpipe", False), ("1f1b", True), ("1f1b", False)]
+)
+def test_loss_and_metrics_run_beside_the_outputs(schedule, loops, cpu_devices):
+    """The loss (GPipe's on the whole mini-batch), the merged outputs and the metrics on the
+    last stage's device: the default device would take every micro-batch's outputs."""
+    seq, pm = pair(lambda: mlp_layers(width=6, depth=3), (None, 8), devices=cpu_devices[1:],
+                   num_micro_batches=3, schedule=schedule, micro_batch_loops=loops)  # fmt: skip
+    for m in (seq, pm):
+        m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["sparse_categorical_accuracy"])  # fmt: skip
+    x, y = data(10)
+    logs = []
+    nodes = _ran(lambda: logs.append(pm.train_on_batch(x, y, return_dict=True)))
+    kinds = ("SparseSoftmaxCrossEntropyWithLogits", "ConcatV2", "ArgMax", "Equal")
+    found = {dev: sorted({op for op, _ in ns if op in kinds}) for dev, ns in nodes.items()}
+    assert found["CPU:0"] == [] and "ArgMax" in found["CPU:3"], found
+    assert "SparseSoftmaxCrossEntropyWithLogits" in found["CPU:3"], found
+    ref = seq.train_on_batch(x, y, return_dict=True)
+    assert_all_close([logs[0]["loss"], logs[0]["sparse_categorical_accuracy"]],
+                     [ref["loss"], ref["sparse_categorical_accuracy"]], rtol=1e-5)  # fmt: skip

@@ -239,8 +239,10 @@ def run_schedule(
             continue
         # "B" (the full backward, or its input half when split) or "W"
         if action.kind == "B" and m not in st.output_grads:  # the whole mini-batch's loss, once
-            for i, g in enumerate(_whole_batch_grads(schedule, batch_loss, outputs, out_masks)):
-                stages[-1].output_grads[i] = g
+            # Beside the outputs it reads (the default device would take every one of them).
+            with tf.device(cells[-1].device), tf.name_scope("loss"):
+                for i, g in enumerate(_whole_batch_grads(schedule, batch_loss, outputs, out_masks)):
+                    stages[-1].output_grads[i] = g
         weights = st.weight_half(action.kind)
         weight = None if layer_loss_grads is None else layer_loss_grads[m]
         rec, dy, loss_grads = st.due(m, action.kind, weight)

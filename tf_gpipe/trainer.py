@@ -8,7 +8,17 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, loop_choice, microbatch, ordering, schedules, stage, structure, update
+from tf_gpipe import (
+    keras_compat,
+    loop_choice,
+    microbatch,
+    ordering,
+    regularization,
+    schedules,
+    stage,
+    structure,
+    update,
+)
 from tf_gpipe.engine import StepLoss, accumulate, run_schedule
 
 __all__: list[str] = []
@@ -38,7 +48,7 @@ def train_step(model: Any, data: Any) -> dict:
     """One mini-batch: the schedule's forwards and backwards stage by stage,
     gradients summed per device, one optimizer update, metrics on the whole batch."""
     step = gradients(model, data)
-    return finish_step(model, data, step, model.trainable_weights)
+    return finish_step(model, data, step, model.trainable_weights, model.pipeline.cells[-1].device)
 
 
 def make_state(model: Any) -> None:
@@ -65,11 +75,14 @@ def build_gradient_sums(model: Any) -> None:
             stage.functions(cell).sums.variables(cell.trainable_variables)
 
 
-def finish_step(model: Any, data: Any, step: Gradients, variables: list[Any]) -> dict:
+def finish_step(
+    model: Any, data: Any, step: Gradients, variables: list[Any], outputs_device: str | None = None
+) -> dict:
     """The end of ``model``'s training step once ``step`` (its gradients of ``variables``,
     loss-scaled, and loss, outputs and batch size, for the whole ``data``) is computed:
-    the loss tracked, one optimizer update, the metrics. A PipelineModel's step, and a
-    ReplicatedPipeline's with the replicas' mean gradients, end alike."""
+    the loss tracked, one optimizer update, the metrics (computed on ``outputs_device``,
+    where the outputs are, if given). A PipelineModel's step, and a ReplicatedPipeline's
+    with the replicas' mean gradients, end alike."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     keras_compat.loss_tracker(model).update_state(
         keras_compat.unscale_loss_for_distribution(step.loss), sample_weight=step.batch_size
@@ -78,7 +91,8 @@ def finish_step(model: Any, data: Any, step: Gradients, variables: list[Any]) ->
         update.apply(model.optimizer, step.grads, variables)
     else:
         warnings.warn("The model does not have any trainable weights.", stacklevel=3)
-    return model.compute_metrics(structure.to_tensors(x), y, step.y_pred, sample_weight=sample_weight)
+    with tf.device(outputs_device):
+        return model.compute_metrics(structure.to_tensors(x), y, step.y_pred, sample_weight=sample_weight)
 
 
 def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = None) -> Gradients:
@@ -98,7 +112,13 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     keras_compat.clear_losses(model)
     if not model.built:
         model.build_cells(structure.spec_from(x))
-    loss_model = model if loss_model is None else loss_model
+    opt = model.optimizer if optimizer is None else optimizer
+    with regularization.listed(model, opt) as reg:
+        return _scheduled(model, x, y, sample_weight, opt, model if loss_model is None else loss_model, reg)
+
+
+def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.Regularization) -> Gradients:
+    """``gradients``, once ``model`` is built and its weight regularization computed."""
     if loss_model is not model and _overrides_compute_loss(loss_model):
         # The replicas' losses are this model's compiled loss, each on its own shard.
         raise ValueError(
@@ -119,7 +139,6 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     xs = joint.select(0)
     plan = schedules.get(model.schedule, model.num_stages, len(xs), model.virtual_stages)
     trainable = model.trainable_weights
-    opt = model.optimizer if optimizer is None else optimizer
     unit = tf.constant(1.0) if opt is None else tf.convert_to_tensor(opt.scale_loss(tf.constant(1.0)))
     batch_size = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
     weights = shares(joint.sizes, batch_size)
@@ -215,18 +234,15 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
         loss = loss * tf.cast(factor, loss.dtype)
     if deferred is not None:
         deferred.apply()
-    y_pred = joint.merge(outs, out_masks)
-    if custom:
-        check = _checked(model, state["loss"], x, y, y_pred, sample_weight)
-    if exact and not custom and model.losses:
-        # Regularization terms read the weights directly: once per mini-batch.
-        with tf.GradientTape() as tape:
-            reg = tf.add_n([keras_compat.aggregate_additional_loss(model, r) for r in model.losses])
-            scaled = reg if opt is None else opt.scale_loss(reg)
-        state["direct"] = tape.gradient(
-            scaled, list(trainable), unconnected_gradients=tf.UnconnectedGradients.NONE
-        )
-        loss = loss + tf.cast(reg, loss.dtype)
+    # The outputs merged, and the override checked on them, beside them: the default device
+    # would take every micro-batch's outputs (an LM's logits).
+    with tf.device(model.pipeline.cells[-1].device):
+        y_pred = joint.merge(outs, out_masks)
+        if custom:
+            check = _checked(model, state["loss"], x, y, y_pred, sample_weight)
+    if exact and not custom and reg.losses:  # once per mini-batch, not per micro-batch
+        added = tf.add_n([keras_compat.aggregate_additional_loss(model, r) for r in reg.losses])
+        loss = loss + tf.cast(added, loss.dtype)
     weighted = [
         tf.cast(c * tf.cast(share, c.dtype), loss.dtype)
         for row, share in zip(cell_losses, weights)
@@ -237,12 +253,12 @@ def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = No
     final = []
     for v, g in zip(trainable, state["direct"]):
         total = totals.get(id(v))
-        if factor is not None and total is not None:
-            with tf.device(v.value.device):
+        with tf.device(v.value.device):
+            if factor is not None and total is not None:
                 total = _scale(total, factor)
-        if g is not None:
-            with tf.device(v.value.device):
-                total = accumulate(total, g)
+            for term in (g, reg.grads.get(id(v))):
+                if term is not None:
+                    total = accumulate(total, term)
         final.append(total)
     if custom:  # nothing leaves this step (no update) unless the split loss was exact
         final, loss = ordering.after([check], (final, loss))

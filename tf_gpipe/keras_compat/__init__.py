@@ -44,6 +44,7 @@ from tf_gpipe.keras_compat.models import (
     functional_nodes,
     inputs_structure,
     loss_tracker,
+    losses_listed,
     model_compute_loss,
     node_arguments,
     operation_caller,

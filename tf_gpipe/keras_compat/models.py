@@ -171,6 +171,20 @@ def aggregate_additional_loss(model: keras.Model, loss: Any) -> Any:
     return private_attribute(model, "_aggregate_additional_loss", "add the losses that layers add")(loss)
 
 
+@contextlib.contextmanager
+def losses_listed(model: keras.Model, losses: list[Any]) -> Iterator[None]:
+    """Within the scope ``model.losses`` returns ``losses`` instead of computing them, as
+    ``compute_loss`` reads them. Uses ``Layer._losses_override``, which Keras' JAX trainer
+    sets for its stateless calls; ``model.losses`` lists the losses layers added, then one
+    ``regularizer(weight)`` per trainable weight with a regularizer, computed when read."""
+    saved = private_attribute(model, "_losses_override", "compute each weight's regularization on its device")
+    model._losses_override = list(losses)
+    try:
+        yield
+    finally:
+        model._losses_override = saved
+
+
 def clear_losses(model: keras.Model) -> None:
     """Forget the losses layers added in earlier calls (``__call__`` does it; a step that
     runs the layers without it must too). Uses ``Layer._clear_losses``."""
