@@ -332,3 +332,34 @@ def test_loss_and_metrics_run_beside_the_outputs(schedule, loops, cpu_devices):
     ref = seq.train_on_batch(x, y, return_dict=True)
     assert_all_close([logs[0]["loss"], logs[0]["sparse_categorical_accuracy"]],
                      [ref["loss"], ref["sparse_categorical_accuracy"]], rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("loops", [True, False])
+def test_evaluate_runs_beside_what_it_reads(loops, cpu_devices):
+    """``evaluate``: the loss and the metrics on the last stage's device, each weight's
+    regularization on its own; ``predict`` merges the outputs there too."""
+
+    def make_layers():
+        keras.utils.set_random_seed(0)
+        l2 = keras.regularizers.L2(0.01)
+        return [keras.layers.Dense(6, activation="tanh", kernel_regularizer=l2), keras.layers.Dense(6),
+                keras.layers.Dense(3, kernel_regularizer=l2)]  # fmt: skip
+
+    seq, pm = pair(
+        make_layers, (None, 8), devices=cpu_devices[1:], num_micro_batches=3, micro_batch_loops=loops
+    )
+    for m in (seq, pm):
+        m.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["sparse_categorical_accuracy"])  # fmt: skip
+    x, y = data(10)
+    results = []
+    nodes = _ran(lambda: results.append(pm.evaluate(x, y, verbose=0, return_dict=True)))
+    kinds = ("SparseSoftmaxCrossEntropyWithLogits", "ConcatV2", "ArgMax", "Square")
+    found = {dev: sorted(op for op, _ in ns if op in kinds) for dev, ns in nodes.items()}
+    assert found["CPU:0"] == [] and found["CPU:1"] == ["Square"], found
+    assert found["CPU:3"] == ["ArgMax", "ConcatV2", "SparseSoftmaxCrossEntropyWithLogits", "Square"], found
+    ref = seq.evaluate(x, y, verbose=0, return_dict=True)
+    assert_all_close([results[0]["loss"], results[0]["sparse_categorical_accuracy"]],
+                     [ref["loss"], ref["sparse_categorical_accuracy"]], rtol=1e-6)  # fmt: skip
+    nodes = _ran(lambda: pm.predict(x, verbose=0))
+    assert {dev for dev, ns in nodes.items() for op, _ in ns if op == "ConcatV2"} == {"CPU:3"}

@@ -361,7 +361,8 @@ class PipelineModel(keras.Model):
     def call(self, inputs: Any, training: bool | None = None, mask: Any = None) -> Any:
         xs, masks, sides = self._split(inputs, mask)
         acts, out_masks, losses = self._pipeline.call(xs, masks, training, sides, self.micro_batch_loops)
-        outputs = xs.merge(acts, out_masks)
+        with tf.device(self._pipeline.cells[-1].device):  # beside the outputs, not on the default device
+            outputs = xs.merge(acts, out_masks)
         for share, row in zip(trainer.shares(xs.sizes, structure.batch_size(inputs)), losses):
             for loss in row:
                 self.add_loss(loss * tf.cast(share, loss.dtype))
@@ -397,8 +398,7 @@ class PipelineModel(keras.Model):
         trainer.make_state(self)
 
     def test_step(self, data: Any) -> dict:
-        with untaped():  # evaluate: the forward may be a loop
-            return super().test_step(data)
+        return trainer.test_step(self, data)
 
     def predict(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         self._build_from_data(x)

@@ -38,10 +38,11 @@ class Regularization(NamedTuple):
 
 
 @contextlib.contextmanager
-def listed(model: Any, optimizer: Any) -> Iterator[Regularization]:
+def listed(model: Any, optimizer: Any, gradients: bool = True) -> Iterator[Regularization]:
     """Compute ``model``'s weight regularization on each weight's device; within the scope
     ``model.losses`` lists it. ``optimizer`` scales the gradients as it scales the loss
-    (``scale_loss``: mixed precision); None leaves them unscaled."""
+    (``scale_loss``: mixed precision); None leaves them unscaled. ``gradients=False``
+    (``evaluate``) computes the terms only."""
     regularized = [v for v in model.trainable_weights if v.regularizer is not None]
     if not regularized:
         yield Regularization(list(model.losses), {})
@@ -56,7 +57,8 @@ def listed(model: Any, optimizer: Any) -> Iterator[Regularization]:
                 term = v.regularizer(v)
                 total = keras_compat.aggregate_additional_loss(model, term)
                 scaled = total if optimizer is None else optimizer.scale_loss(total)
-            grads[id(v)] = tape.gradient(scaled, v)
+            if gradients:
+                grads[id(v)] = tape.gradient(scaled, v)
         terms.append(term)
     reg = Regularization(added + terms, grads)
     with keras_compat.losses_listed(model, reg.losses):

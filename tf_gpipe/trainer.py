@@ -51,6 +51,22 @@ def train_step(model: Any, data: Any) -> dict:
     return finish_step(model, data, step, model.trainable_weights, model.pipeline.cells[-1].device)
 
 
+def test_step(model: Any, data: Any) -> dict:
+    """Keras' test step (``evaluate``), with the loss and the metrics beside the outputs, on
+    the last stage's device, and each weight's regularization on its device, as in
+    ``train_step``."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    with loop_choice.untaped():  # nothing differentiates the forward: it may be a loop
+        y_pred = model(x, training=False)
+    batch_size = structure.batch_size(x)  # where the inputs are
+    with tf.device(model.pipeline.cells[-1].device), regularization.listed(model, None, False):
+        loss = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=False)
+        keras_compat.loss_tracker(model).update_state(
+            keras_compat.unscale_loss_for_distribution(loss), sample_weight=batch_size
+        )
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
 def make_state(model: Any) -> None:
     """A built, compiled ``model``'s optimizer slots and its stages' gradient sums, made now,
     not inside the first trace of the training step: a ``tf.function`` that makes variables
