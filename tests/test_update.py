@@ -14,7 +14,7 @@ import tensorflow as tf
 from helpers import assert_all_close, data, mlp_layers, pair, partition_graphs, same_device
 
 import tf_gpipe
-from tf_gpipe import update
+from tf_gpipe import trainer, update
 from tf_gpipe.cell import move_variables
 
 # Through whole pipelined steps (the cost of a test is its traces): the optimizers the
@@ -363,3 +363,31 @@ def test_evaluate_runs_beside_what_it_reads(loops, cpu_devices):
                      [ref["loss"], ref["sparse_categorical_accuracy"]], rtol=1e-6)  # fmt: skip
     nodes = _ran(lambda: pm.predict(x, verbose=0))
     assert {dev for dev, ns in nodes.items() for op, _ in ns if op == "ConcatV2"} == {"CPU:3"}
+
+
+def test_a_regularization_gradient_waits_for_the_weights_summed_gradient(cpu_devices):
+    """Computed once the schedule's gradient of its weight is summed, a weight-sized
+    regularization gradient is not held through the step's peak (the activations)."""
+    l2 = keras.regularizers.L2(0.01)
+    layers = [keras.layers.Dense(6, kernel_regularizer=l2), keras.layers.Dense(3, kernel_regularizer=l2)]
+    pm = tf_gpipe.PipelineModel(layers, devices=cpu_devices[1:3], num_micro_batches=2)
+    pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data(6)
+    pm.build((None, 8))
+    step = tf.function(lambda x, y: trainer.gradients(pm, (x, y)).grads)
+    concrete = step.get_concrete_function(tf.constant(x), tf.constant(y))
+    # Each kernel's gradient: the schedule's sum plus the regularization's.
+    summed = set()
+    for i in (0, 2):
+        op = concrete.structured_outputs[i].op
+        while op.type == "Identity":
+            op = op.inputs[0].op
+        summed.add(op.inputs[0].op.name)  # AddV2(the schedule's sum, the regularization's)
+    reads = [
+        op
+        for op in concrete.graph.get_operations()
+        if op.type == "ReadVariableOp" and "/regularization" in f"/{op.name}"
+    ]
+    assert len(reads) == 4, [op.name for op in reads]  # each kernel's term, then its gradient
+    waiting = [op for op in reads if summed & {c.name for c in op.control_inputs}]
+    assert len(waiting) == 2, ([(op.name, [c.name for c in op.control_inputs]) for op in reads], summed)

@@ -59,7 +59,7 @@ def test_step(model: Any, data: Any) -> dict:
     with loop_choice.untaped():  # nothing differentiates the forward: it may be a loop
         y_pred = model(x, training=False)
     batch_size = structure.batch_size(x)  # where the inputs are
-    with tf.device(model.pipeline.cells[-1].device), regularization.listed(model, None, False):
+    with tf.device(model.pipeline.cells[-1].device), regularization.listed(model, None):
         loss = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=False)
         keras_compat.loss_tracker(model).update_state(
             keras_compat.unscale_loss_for_distribution(loss), sample_weight=batch_size
@@ -272,7 +272,7 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
         with tf.device(v.value.device):
             if factor is not None and total is not None:
                 total = _scale(total, factor)
-            for term in (g, reg.grads.get(id(v))):
+            for term in (g, reg.gradient(v, total)):
                 if term is not None:
                     total = accumulate(total, term)
         final.append(total)
