@@ -66,3 +66,34 @@ def test_layer_losses_are_loss_scaled_like_the_main_loss(policy, schedule):
         model.fit(x, y, batch_size=10, epochs=3, shuffle=False, verbose=0)
     assert type(pm.optimizer).__name__ == "LossScaleOptimizer"
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-3, atol=1e-3)  # unscaled: 0.2 off
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+@pytest.mark.parametrize("schedule,loops", [("gpipe", True), ("zb-h1", True), ("1f1b", False)])
+def test_a_float16_layer_loss_trains(policy, schedule, loops):
+    """An activity regularizer in float16 (Keras' own fit fails to add it to its float32
+    loss) trains as an unsplit step that adds it in float32 does."""
+
+    def layers():
+        keras.utils.set_random_seed(0)
+        l1 = keras.regularizers.L1(0.01)
+        return [keras.layers.Dense(8, "relu"), keras.layers.Dense(8, "relu", activity_regularizer=l1),
+                keras.layers.Dense(3, dtype="float32")]  # fmt: skip
+
+    seq, pm = pair(
+        layers, (None, 8), num_stages=3, num_micro_batches=2, schedule=schedule, micro_batch_loops=loops
+    )
+    x, y = data(7)  # micro-batches of 4 and 3
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with tf.GradientTape() as tape:
+        out = seq(x, training=True)
+        assert seq.losses[0].dtype == tf.float16  # what the test is about
+        loss = ce(y, out) + tf.add_n([tf.cast(v, tf.float32) for v in seq.losses])
+    keras.optimizers.SGD(0.1).apply(tape.gradient(loss, seq.trainable_variables), seq.trainable_variables)
+    pm.compile(optimizer=keras.optimizers.SGD(0.1), loss=ce)
+    got = pm.train_on_batch(x, y)
+    assert_all_close([got], [float(loss)], rtol=2e-3)
+    assert_all_close(pm.get_weights(), seq.get_weights(), rtol=2e-3, atol=2e-3)
+    out = seq(x, training=False)
+    loss = ce(y, out) + tf.add_n([tf.cast(v, tf.float32) for v in seq.losses])
+    assert_all_close([pm.evaluate(x, y, verbose=0)], [float(loss)], rtol=2e-3)

@@ -18,6 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import keras
 import tensorflow as tf
 
 from tf_gpipe import keras_compat
@@ -57,12 +58,12 @@ def listed(model: Any, optimizer: Any) -> Iterator[Regularization]:
     """Compute ``model``'s weight regularization on each weight's device; within the scope
     ``model.losses`` lists it."""
     regularized = [v for v in model.trainable_weights if v.regularizer is not None]
-    if not regularized:
-        yield Regularization(list(model.losses), model, optimizer)
-        return
     # The losses layers added come first (Keras' ``Layer.losses``); reading the list also
-    # computes the regularization on this device, in ops nothing runs.
-    added = list(model.losses)[: -len(regularized)]
+    # computes the regularization on this device, in ops nothing runs. One in float16 (an
+    # activity regularizer under mixed_float16) is cast to floatx: Keras' compute_loss
+    # cannot add it to its float32 loss.
+    read = list(model.losses)
+    added = [_floatx(t) for t in read[: len(read) - len(regularized)]]
     terms = []
     for v in regularized:
         with tf.device(v.value.device), tf.name_scope("regularization"):
@@ -70,3 +71,8 @@ def listed(model: Any, optimizer: Any) -> Iterator[Regularization]:
     reg = Regularization(added + terms, model, optimizer)
     with keras_compat.losses_listed(model, reg.losses):
         yield reg
+
+
+def _floatx(loss: Any) -> Any:
+    dtype = tf.as_dtype(keras.backend.floatx())
+    return tf.cast(loss, dtype) if loss.dtype.is_floating and loss.dtype != dtype else loss

@@ -131,6 +131,9 @@ def tape_gradients(
     passes on its gradients together (``gate_gradients``), so the chain of input
     gradients never runs ahead of the weight gradients, which free the activations."""
     pairs = [(t, g) for t, g in zip(targets, target_grads) if g is not None and t is not None]
+    # A layer's loss in float16 (an activity regularizer under mixed_float16) takes its
+    # float32 weight in its own dtype.
+    pairs = [(t, g if g.dtype == t.dtype else tf.cast(g, t.dtype)) for t, g in pairs]
     sources = (list(sources_in) if need_input_grads else []) + list(variables)
     if pairs and sources and tape is None:  # symbolic: the ops' own first-order gradients
         result = tf.gradients(
