@@ -183,7 +183,7 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
         y_m, sw_m, x_m, n_m, share_m, nonempty = target
         flat = tf.nest.flatten(out)
         watched = [t for t in flat if structure.is_float(t)]
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, keras_compat.recorded_metric_updates() as calls:
             tape.watch(watched)
             # ``out`` still carries its Keras mask (set by its last layer): the loss sees it.
             if custom:
@@ -198,9 +198,17 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
                 if valid is not None:  # nor are its stand-in example's valid positions
                     valid = tf.where(nonempty, valid, tf.zeros_like(valid))
             scaled = value if opt is None else opt.scale_loss(value)
-        # An override may read the weights directly (the regularization losses Keras'
-        # compute_loss adds): those gradients are terms of the row, summed over the
-        # micro-batches as the loss is (by the loops, or below).
+        # Keras' loss ``Mean`` per output is updated once a step, on the whole mini-batch
+        # (below), as Keras' own step does: weighed per micro-batch, a step whose last
+        # micro-batches differ in size would count them as Keras does not. A metric of the
+        # user's is updated here, as each micro-batch's loss calls it.
+        per_output = {id(m) for m in keras_compat.compiled_loss_metrics(loss_model) or []}
+        for metric, args, kwargs in calls:
+            if id(metric) not in per_output:
+                metric.update_state(*args, **kwargs)
+        # An override may read the weights directly (a penalty of its own): those gradients
+        # are terms of the row, summed over the micro-batches as the loss is (by the loops,
+        # or below).
         sources = watched + (list(trainable) if custom else [])
         got = tape.gradient(scaled, sources, unconnected_gradients=tf.UnconnectedGradients.NONE)
         it = iter(got[: len(watched)])
@@ -227,15 +235,7 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
         ),
         tracer=model.tracer,
         deferred=deferred,
-        # The metric updates a loss makes inside the loops are made after them, with the
-        # arguments each micro-batch gave (``keras_compat.recorded_metric_updates``). Keras
-        # weighs its loss metric per output by the batch size of the static shape, which the
-        # loops' micro-batches of unequal known sizes do not keep: those steps are built out.
-        micro_batch_loops=(
-            False
-            if exact and _unequal(joint.sizes) and _updates_metrics(loss_model, y)
-            else getattr(model, "micro_batch_loops", False)
-        ),
+        micro_batch_loops=getattr(model, "micro_batch_loops", False),
     )
     state["loss"] += [row[0] for row in terms]
     state["valid"] += [row[1] for row in terms if row[1] is not None]
@@ -254,8 +254,10 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
     # would take every micro-batch's outputs (an LM's logits).
     with tf.device(model.pipeline.cells[-1].device):
         y_pred = joint.merge(outs, out_masks)
-        if custom:
+        if custom:  # its whole-batch compute_loss updates the loss Mean per output
             check = _checked(model, state["loss"], x, y, y_pred, sample_weight)
+        elif exact and keras_compat.compiled_loss_metrics(loss_model):
+            keras_compat.compiled_loss(loss_model)(y, y_pred, sample_weight)  # for the updates
     if exact and not custom and reg.losses:  # once per mini-batch, not per micro-batch
         added = tf.add_n([keras_compat.aggregate_additional_loss(model, r) for r in reg.losses])
         loss = loss + tf.cast(added, loss.dtype)
@@ -285,21 +287,6 @@ def _loss_per_micro_batch_override(model: Any) -> bool:
     """Whether ``model``'s step calls its ``compute_loss`` override on each micro-batch (a
     per-micro-batch schedule), whose weight gradients the step sums beside the stages'."""
     return model.schedule != "gpipe" and _overrides_compute_loss(model)
-
-
-def _unequal(sizes: list[Any]) -> bool:
-    """Whether micro-batch ``sizes`` are known while tracing and not all the same: the
-    loops then give the micro-batches one shape of unknown batch size (``_Step.relax`` in
-    ``tf_gpipe.micro_batch_loop``)."""
-    return all(isinstance(n, int) for n in sizes) and len(set(sizes)) > 1
-
-
-def _updates_metrics(model: Any, y: Any) -> bool:
-    """Whether ``model``'s compiled loss updates metrics of its own when called: Keras keeps a
-    loss ``Mean`` per output when there are several (known once it is built; before, from
-    the targets ``y``)."""
-    metrics = keras_compat.compiled_loss_metrics(model)
-    return bool(metrics) if metrics is not None else len(tf.nest.flatten(y)) > 1
 
 
 def _overrides_compute_loss(model: Any) -> bool:

@@ -140,8 +140,9 @@ def compiled_loss_metrics(model: keras.Model) -> list | None:
     """The metrics the compiled loss updates each time it is called (Keras keeps a loss
     ``Mean`` per output of a model with several), or None before its first call builds it.
 
-    A loop over micro-batches can neither keep nor order those updates. Uses
-    ``CompileLoss.built`` and ``CompileLoss.metrics``.
+    A step that calls the loss once per micro-batch leaves those updates to one call on the
+    whole mini-batch, as Keras' own step makes them. Uses ``CompileLoss.built`` and
+    ``CompileLoss.metrics``.
     """
     loss = compiled_loss(model)
     if loss is None:
