@@ -217,6 +217,31 @@ def test_gpipe_keeps_taped_stages_activations_between_its_loops(cpu_devices):
     assert "replay" not in scopes and {"forward", "backward"} <= scopes, scopes
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_list_is_read_on_its_device(cpu_devices, schedule):
+    """The micro-batches' inputs wait in lists on the first stage's device, their targets
+    (and GPipe's output gradients) on the last's, and each iteration reads its entry there.
+    Read on another device (the default one, CPU:0 here: a cluster's client), a list
+    crosses whole, every entry, every iteration (read from the partition graphs that ran)."""
+    devices = cpu_devices[1:4]
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=4), num_stages=3, num_micro_batches=3, schedule=schedule, devices=devices
+    )
+    pm.compile(optimizer="sgd", loss=LOSS)
+    x = np.random.RandomState(0).rand(12, 8).astype("float32")
+    graphs = partition_graphs(lambda: pm.train_on_batch(x, np.arange(12) % 3))
+    nodes = {n.name: n for g in graphs for n in g.node}
+    reads = collections.Counter(n.device[-5:] for n in nodes.values() if n.op == "TensorListGetItem")
+    assert reads["CPU:0"] == 0 and reads["CPU:1"] >= 1 and reads["CPU:3"] >= 1, reads
+    # Nothing a loop carries goes to CPU:0 and back (a loop body's input, sent there).
+    carried = [
+        n.input[0]
+        for n in nodes.values()
+        if n.op == "_Send" and n.attr["recv_device"].s.decode().endswith("CPU:0") and "/input/" in n.input[0]
+    ]
+    assert carried == [], carried
+
+
 @pytest.mark.parametrize("remat", ["always", "never"])
 def test_each_stage_sums_its_gradients_on_its_device(cpu_devices, remat):
     """The loops add each micro-batch's weight gradients to the stage's running sums on the

@@ -174,17 +174,28 @@ class _Step:
             self.nonempty_all = tf.stack([tf.constant(True) if f is None else f for f in flags])
         grads = loss.layer_loss_grads
         self.loss_weights = None if grads is None else tf.stack(list(grads))
-        chunks = [(split.chunks[m], masks[m], sides[m], targets[m]) for m in range(M)]
-        self.data, self.arrays = self._stacked(chunks, cells[0].device, self.relax)
+        # Each micro-batch's inputs wait on the first stage's device, its targets on the
+        # last's, where they are read: an iteration that read a list elsewhere would copy
+        # all of it there (a TensorList crosses devices whole), every iteration.
+        chunks = [(split.chunks[m], masks[m], sides[m]) for m in range(M)]
+        self.inputs = self._stacked(chunks, cells[0].device, self.relax)
+        self.targets = self._stacked([(t,) for t in targets], cells[-1].device, self.relax)
         self.input_specs: dict[int, Any] = {}
         # A forward pass alone (``forward``: no loss), which a user's tape may differentiate.
         self.forward_only = loss.micro_loss is None and loss.batch_loss is None
         self.taped = taped
 
-    def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list]:
+    def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list, str]:
         layout = loop_state.Layout(values[0], relax)
         with tf.device(device):
-            return layout, layout.filled(values)
+            return layout, layout.filled(values), device
+
+    @staticmethod
+    def _read(stacked: tuple[loop_state.Layout, list, str], m: Any) -> Any:
+        """Entry ``m`` of what ``_stacked`` filled, read on its device."""
+        layout, arrays, device = stacked
+        with tf.device(device):
+            return layout.expand(layout.read(arrays, m.on(device)))
 
     def _nonempty(self, m: Any, s: int) -> Any:
         return None if self.nonempty_all is None else self.nonempty_all[m.on(self.cells[s].device)]
@@ -275,7 +286,7 @@ class _Step:
         devices = [c.device for c in cells]
 
         def read(m):
-            return self.data.expand(self.data.read(self.arrays, m.on(cells[0].device)))
+            return (*self._read(self.inputs, m), *self._read(self.targets, m))
 
         if micro_loss is not None:
 
@@ -321,13 +332,13 @@ class _Step:
         outputs, out_masks = zip(*first[0].each(first[1], ("out",), stack=False))
         with tf.device(cells[-1].device), tf.name_scope("loss"):
             grads = batch_loss(list(outputs), list(out_masks))
-        given, given_arrays = self._stacked(grads, cells[-1].device, self.relax)
+        given = self._stacked(grads, cells[-1].device, self.relax)
         stash = {s: first[0].layouts["stash", s] for s in range(S)}
         n_losses = [len(first[0].layouts["losses", s].positions) for s in range(S)]
 
         def backwards(m, state):
             now, emit = {}, {}
-            dy = given.expand(given.read(given_arrays, m.on(cells[-1].device)))
+            dy = self._read(given, m)
             for s in reversed(range(S)):
                 with tf.device(cells[s].device):
                     held = state["stash", s]

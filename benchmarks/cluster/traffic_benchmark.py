@@ -159,6 +159,23 @@ def child() -> None:
     one.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     measure(lambda: one.train_on_batch(x, y), "K=2, Adam: ReplicatedPipeline, R=1", P=P2, needed=needed)
 
+    # The same with an L2 penalty on every kernel (Keras computes it where model.losses is
+    # read), and evaluate: what the step must move does not change.
+    def regularized():
+        layers = make()
+        for layer in layers:
+            layer.kernel_regularizer = keras.regularizers.L2(1e-4)
+        return layers
+
+    reg = tf_gpipe.PipelineModel(
+        regularized(), devices=devices[:2], balance=[1, 2], num_micro_batches=FLAGS.micro_batches
+    )
+    reg.build((None, W))
+    reg.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=["sparse_categorical_accuracy"])
+    measure(lambda: reg.train_on_batch(x, y), "K=2, Adam, L2 kernels: PipelineModel", P=P2, needed=needed)
+    forward = 4 * N * W + 4 * N + boundary  # input, labels, the boundary activation
+    measure(lambda: reg.test_on_batch(x, y), "K=2, L2 kernels: evaluate", P=P2, needed=forward)
+
 
 def mb(b: float) -> str:
     return f"{b / 1e6:.3f}"
