@@ -82,6 +82,16 @@ def test_gpipe_loss_adds_each_replicas_own_weight_regularizer_once(cpu_devices):
     assert_all_close(rp.replicas[0].get_weights(), seq.get_weights())
 
 
+def test_evaluate_adds_one_replicas_regularization(cpu_devices):
+    """``evaluate`` runs replica 0: its loss adds replica 0's regularization, not every
+    replica's (Keras' own test step reads the losses of every layer the model holds)."""
+    rp, seq = _pair(cpu_devices, _make(regularizer=keras.regularizers.L2(0.1)), schedule="1f1b")
+    x, y = data(20)
+    rp.train_on_batch(x, y)
+    seq.train_on_batch(x, y)
+    np.testing.assert_allclose(rp.evaluate(x, y, verbose=0), seq.evaluate(x, y, verbose=0), rtol=1e-5)
+
+
 def test_deferred_batch_norm_moves_each_replicas_statistics_once_from_its_shard(cpu_devices):
     rp, _ = _pair(cpu_devices, _make(bn=True), schedule="1f1b")
     x, y = data(20)

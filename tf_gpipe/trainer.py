@@ -51,15 +51,22 @@ def train_step(model: Any, data: Any) -> dict:
     return finish_step(model, data, step, model.trainable_weights, model.pipeline.cells[-1].device)
 
 
-def test_step(model: Any, data: Any) -> dict:
+def test_step(model: Any, data: Any, pipeline: Any = None) -> dict:
     """Keras' test step (``evaluate``), with the loss and the metrics beside the outputs, on
     the last stage's device, and each weight's regularization on its device, as in
-    ``train_step``."""
+    ``train_step``. ``pipeline`` (default ``model``): the PipelineModel that ``model``'s call
+    runs, whose losses are the ones ``model``'s loss adds (a ReplicatedPipeline's replica 0:
+    Keras would add every replica's regularization)."""
+    pipeline = model if pipeline is None else pipeline
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     with loop_choice.untaped():  # nothing differentiates the forward: it may be a loop
         y_pred = model(x, training=False)
     batch_size = structure.batch_size(x)  # where the inputs are
-    with tf.device(model.pipeline.cells[-1].device), regularization.listed(model, None):
+    with (
+        tf.device(pipeline.pipeline.cells[-1].device),
+        regularization.listed(pipeline, None) as reg,
+        keras_compat.losses_listed(model, reg.losses),
+    ):
         loss = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=False)
         keras_compat.loss_tracker(model).update_state(
             keras_compat.unscale_loss_for_distribution(loss), sample_weight=batch_size

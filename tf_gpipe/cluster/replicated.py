@@ -108,6 +108,9 @@ class ReplicatedPipeline(keras.Model):
         if self.built:
             self._build_training_state()
 
+    def test_step(self, data: Any) -> dict:
+        return trainer.test_step(self, data, self.replicas[0])
+
     def train_step(self, data: Any) -> dict:
         if not self.built or self._all_reduce is None:
             raise ValueError(
