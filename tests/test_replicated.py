@@ -213,3 +213,32 @@ def test_replicas_of_different_layers_are_refused_with_the_fix(cpu_devices):
 
     with pytest.raises(ValueError, match=r"replica 1's weights differ in shape.*same layers each call"):
         cluster.ReplicatedPipeline(make, [cpu_devices[0:2], cpu_devices[2:4]], input_shape=(None, 8))
+
+
+def test_embedding_rows_reach_adam_as_the_unsplit_models(cpu_devices):
+    """An Embedding's gradient is rows; Adam squares each row before adding up the rows of
+    one index, so the replicas gather every replica's rows (on the devices of the stage that
+    holds the table) rather than add them into one dense gradient."""
+
+    def make():
+        keras.utils.set_random_seed(3)
+        return [keras.layers.Embedding(12, 6), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)]
+
+    rp = cluster.ReplicatedPipeline(make, [cpu_devices[0:2], cpu_devices[2:4]], input_shape=(None, 5),
+                                    num_micro_batches=2, schedule="1f1b")  # fmt: skip
+    seq = keras.Sequential([keras.Input((5,), dtype="int32")] + make())
+    seq.set_weights(rp.replicas[0].get_weights())
+    for model in (rp, seq):
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    rng = np.random.RandomState(0)
+    x, y = rng.randint(0, 4, (12, 5)), rng.randint(0, 3, 12)  # few tokens: many repeated rows
+    graphs = partition_graphs(lambda: rp.train_on_batch(x, y))
+    seq.train_on_batch(x, y)
+    rp.train_on_batch(x[::-1], y[::-1])  # the slots of the first step, read
+    seq.train_on_batch(x[::-1], y[::-1])
+    assert_all_close(rp.replicas[1].get_weights(), seq.get_weights(), rtol=1e-5, atol=1e-6)
+    gathers = sorted(n.device[-5:] for g in graphs for n in g.node if n.op == "CollectiveGatherV2")
+    assert gathers == ["CPU:0"] * 3 + ["CPU:2"] * 3, gathers  # the table's stage, each replica

@@ -28,7 +28,8 @@ class ReplicatedPipeline(keras.Model):
     gradients with one collective all-reduce (``CollectiveReduceV2``: a ring between
     CPUs, NCCL between GPUs) of the stage's gradients packed into one buffer, run on the
     R devices of that stage, so every device sends and receives about
-    ``2 (R-1) / R`` times the stage's parameters and none gathers the others'. One
+    ``2 (R-1) / R`` times the stage's parameters and none gathers the others' (an
+    Embedding's rows are gathered instead: the unsplit model's rows, for its optimizer). One
     optimizer applies the same update to every copy: the replicas stay bitwise
     identical, and the step equals one pipeline's step on the whole batch (for losses
     that average over examples; BatchNormalization statistics and dropout masks are per
@@ -194,6 +195,7 @@ class _StageAllReduce:
         # before replica 1's starts, and neither finishes alone. A resource per device
         # (tf.distribute's "ordering token") orders only the collectives of that device.
         self.tokens: dict[str, Any] = {}
+        self.row_keys: dict[tuple[tuple[str, ...], int], list[int]] = {}
         with tf.init_scope():
             for device in dict.fromkeys(d for group in self.groups for d in group):
                 with tf.device(device):
@@ -209,12 +211,21 @@ class _StageAllReduce:
             for dtype in dict.fromkeys(self.dtypes[i] for i in indices):
                 # Every replica leaves the same variables without gradient (same layers).
                 pack = [i for i in indices if self.dtypes[i] == dtype and grads[0][i] is not None]
+                # An embedding's rows stay rows: every replica gets all replicas' rows, in
+                # replica order (the unsplit model's rows of the whole batch), each divided
+                # by R. Summed into one dense buffer, Adam and the like would see other
+                # values (they square each row before adding up the rows of one index).
+                for i in [i for i in pack if isinstance(grads[0][i], tf.IndexedSlices)]:
+                    for r, device in enumerate(group):
+                        with tf.device(device):
+                            out[r][i] = self._rows(grads[r][i], group, i, device)
+                pack = [i for i in pack if not isinstance(grads[0][i], tf.IndexedSlices)]
                 if not pack:
                     continue
                 sizes = [int(np.prod(self.shapes[i])) for i in pack]
                 for r, device in enumerate(group):
                     with tf.device(device):
-                        flat = tf.concat([tf.reshape(_dense(grads[r][i]), [-1]) for i in pack], 0)
+                        flat = tf.concat([tf.reshape(grads[r][i], [-1]) for i in pack], 0)
                         total = tf.raw_ops.CollectiveReduceV2(
                             input=flat,
                             group_size=R,
@@ -229,11 +240,34 @@ class _StageAllReduce:
                             out[r][i] = tf.reshape(piece, self.shapes[i])
         return out
 
+    def _rows(self, grad: tf.IndexedSlices, group: tuple[str, ...], i: int, device: str) -> tf.IndexedSlices:
+        """All replicas' rows of variable ``i``'s gradient, on ``device``: three
+        ``CollectiveGatherV2`` (the row counts, then values and indices padded to the
+        largest count, the padding dropped after), one key each for this trace."""
+        R = self.num_replicas
+        keys = self.row_keys.setdefault((group, i), [next(_KEYS) for _ in range(3)])
+
+        def gather(t: tf.Tensor, key: int) -> tf.Tensor:
+            return tf.raw_ops.CollectiveGatherV2(
+                input=t,
+                group_size=R,
+                group_key=self.group_keys[group],
+                instance_key=key,
+                ordering_token=[self.tokens[device].handle],
+                communication_hint="auto",
+            )
+
+        count = tf.shape(grad.indices, out_type=tf.int32)[:1]
+        counts = gather(count, keys[0])
+        most = tf.reduce_max(counts)
+        padding = [[0, most - count[0]]]
+        values = tf.pad(grad.values, padding + [[0, 0]] * (grad.values.shape.rank - 1))
+        values = gather(values, keys[1])
+        rows = gather(tf.pad(grad.indices, padding), keys[2])
+        kept = tf.reshape(tf.sequence_mask(counts, most), [-1])
+        divided = tf.boolean_mask(values, kept) / tf.cast(R, values.dtype)
+        return tf.IndexedSlices(divided, tf.boolean_mask(rows, kept), grad.dense_shape)
+
 
 def _device_of(variable: Any) -> str:
     return tf.DeviceSpec.from_string(keras_compat.variable_device(variable) or "").to_string()
-
-
-def _dense(grad: Any) -> Any:
-    # An embedding's IndexedSlices: the packed buffer needs every row.
-    return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
