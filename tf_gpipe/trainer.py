@@ -206,7 +206,7 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
                     valid = tf.where(nonempty, valid, tf.zeros_like(valid))
             scaled = value if opt is None else opt.scale_loss(value)
         # Keras' loss ``Mean`` per output is updated once a step, on the whole mini-batch
-        # (below), as Keras' own step does: weighed per micro-batch, a step whose last
+        # (below), as Keras' own step does: updated per micro-batch, a step whose last
         # micro-batches differ in size would count them as Keras does not. A metric of the
         # user's is updated here, as each micro-batch's loss calls it.
         per_output = {id(m) for m in keras_compat.compiled_loss_metrics(loss_model) or []}
