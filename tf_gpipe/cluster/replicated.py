@@ -215,11 +215,12 @@ class _StageAllReduce:
                 # replica order (the unsplit model's rows of the whole batch), each divided
                 # by R. Summed into one dense buffer, Adam and the like would see other
                 # values (they square each row before adding up the rows of one index).
-                for i in [i for i in pack if isinstance(grads[0][i], tf.IndexedSlices)]:
+                rows = [i for i in pack if isinstance(grads[0][i], tf.IndexedSlices)]
+                for i in rows:
                     for r, device in enumerate(group):
                         with tf.device(device):
                             out[r][i] = self._rows(grads[r][i], group, i, device)
-                pack = [i for i in pack if not isinstance(grads[0][i], tf.IndexedSlices)]
+                pack = [i for i in pack if i not in rows]
                 if not pack:
                     continue
                 sizes = [int(np.prod(self.shapes[i])) for i in pack]
@@ -243,7 +244,8 @@ class _StageAllReduce:
     def _rows(self, grad: tf.IndexedSlices, group: tuple[str, ...], i: int, device: str) -> tf.IndexedSlices:
         """All replicas' rows of variable ``i``'s gradient, on ``device``: three
         ``CollectiveGatherV2`` (the row counts, then values and indices padded to the
-        largest count, the padding dropped after), one key each for this trace."""
+        largest count, the padding dropped after), each with an instance key of its own,
+        made at the first trace and kept, as the packed buffers' are."""
         R = self.num_replicas
         keys = self.row_keys.setdefault((group, i), [next(_KEYS) for _ in range(3)])
 
