@@ -63,6 +63,25 @@ def test_solve_minmax_is_optimal_for_floats(costs, data):
     assert max(stage_costs(costs, got)) == pytest.approx(best, rel=1e-12, abs=1e-12)
 
 
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=2, max_size=8), st.data())
+def test_solve_minmax_cuts_only_where_allowed_and_is_optimal_there(costs, data):
+    n = len(costs)
+    cuts = data.draw(st.lists(st.integers(1, n - 1), unique=True, max_size=n - 1), label="cuts")
+    k = data.draw(st.integers(1, n), label="num_stages")
+    options = [b for b in compositions(n, k) if set(np.cumsum(b)[:-1]) <= set(cuts)]
+    if not options:
+        with pytest.raises(ValueError, match=f"at most {len(cuts) + 1} stages"):
+            solve_minmax(costs, k, cuts=cuts)
+        return
+    got = solve_minmax(costs, k, cuts=cuts)
+    assert valid(got, n, k) and set(np.cumsum(got)[:-1]) <= set(cuts)
+    best = min(max(stage_costs(costs, b)) for b in options)
+    assert max(stage_costs(costs, got)) == best
+    if len(cuts) == n - 1:  # every cut allowed: what no cuts gives
+        assert got == solve_minmax(costs, k)
+
+
 def test_solve_minmax_examples():
     assert solve_minmax([1] * 10, 4) == [3, 3, 2, 2]  # ties: like even_balance, remainder first
     assert solve_minmax([1] * 11 + [6], 4) == [4, 4, 3, 1]  # a heavy head gets a stage of its own

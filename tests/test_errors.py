@@ -370,8 +370,10 @@ def test_numpy_input_accepted_like_sequential():
 def test_layer_shared_across_stages_is_refused():
     shared = keras.layers.Dense(4, name="tied_dense")
     layers = [shared, keras.layers.Dense(4), shared]
-    msg = _error(ValueError, lambda: PipelineModel(layers, num_stages=3))
+    msg = _error(ValueError, lambda: PipelineModel(layers, balance=[1, 1, 1]))
     assert "tied_dense" in msg and "stages [0, 2]" in msg and "balance" in msg
+    msg = _error(ValueError, lambda: PipelineModel(layers, num_stages=3))  # no split keeps it whole
+    assert "tied_dense" in msg and "layers 0 and 2" in msg and "at most 1 stage," in msg
     PipelineModel(layers, num_stages=1)  # all uses in one stage: fine
 
 

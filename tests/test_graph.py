@@ -167,12 +167,81 @@ def test_shared_layer_across_stages_is_refused():
         h = keras.layers.Dense(8)(h)
     out = shared(h)  # the same weights at both ends
     model = keras.Model(inp, out)
-    with pytest.raises(ValueError, match="'tied' is used in stages"):
-        tf_gpipe.PipelineModel.from_model(model, num_stages=2)
+    # No cut into two stages keeps the first and the last node together.
+    for balance in (None, "params"):
+        refused = r"'tied' is used by nodes 0 and 5 .* into 2 stages .* at most 1 stage,"
+        with pytest.raises(ValueError, match=refused):
+            tf_gpipe.PipelineModel.from_model(model, num_stages=2, balance=balance)
+    with pytest.raises(ValueError, match="'tied' is used in stages \\[0, 1\\]"):  # a balance given
+        tf_gpipe.PipelineModel.from_model(model, balance=[3, 3])
     # Cuts that keep both uses together are fine.
     pm = tf_gpipe.PipelineModel.from_model(model, num_stages=1)
     x = np.ones((2, 8), "float32")
     assert_all_close([model(x)], [pm(x)])
+
+
+def _shared_in_the_middle():
+    """Nine nodes; the layer ``shared`` is called at nodes 2 and 4 (a siamese-like block)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(8, activation="relu")(inp)
+    h = keras.layers.Dense(8, activation="tanh")(h)
+    shared = keras.layers.Dense(8, activation="tanh", name="shared")
+    h = shared(keras.layers.Dense(8)(shared(h)))
+    for _ in range(3):
+        h = keras.layers.Dense(8, activation="relu")(h)
+    return keras.Model(inp, keras.layers.Dense(3)(h))
+
+
+@pytest.mark.parametrize("balance", [None, "params"])
+def test_automatic_cuts_keep_a_shared_layers_uses_in_one_stage(balance):
+    # The even split [3, 3, 3] would cut between the two calls of `shared` (nodes 2 and 4).
+    ref, src = _shared_in_the_middle(), _shared_in_the_middle()
+    src.set_weights(ref.get_weights())
+    devices = tf_gpipe.configure_virtual_cpus(3)
+    pm = tf_gpipe.PipelineModel.from_model(
+        src, num_stages=3, balance=balance, num_micro_batches=2, schedule="1f1b", devices=devices
+    )
+    ends = np.cumsum(pm.balance)[:-1]
+    assert not any(2 < c <= 4 for c in ends), pm.balance
+    if balance is None:  # the fewest nodes in the largest stage that keeps them together
+        assert max(pm.balance) == 4 and sorted(pm.balance) == [2, 3, 4], pm.balance
+    holder = [c for c in pm.cells if any(layer.name == "shared" for layer in c.layers[0].stage_ops)]
+    assert len(holder) == 1
+    assert same_device(src.get_layer("shared").kernel.value.device, holder[0].device)
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(11, 8).astype("float32"), rng.randint(0, 3, 11)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for m in (ref, pm):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    a = ref.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0).history["loss"]
+    b = pm.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(b, a, rtol=1e-5)
+    assert_all_close(ref.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_listed_twice_is_kept_in_one_stage():
+    keras.utils.set_random_seed(0)
+    shared = keras.layers.Dense(6, activation="tanh", name="twice")
+    layers = [keras.layers.Dense(6), keras.layers.Dense(6), shared, keras.layers.Dense(6), shared]
+    layers += [keras.layers.Dense(6), keras.layers.Dense(6), keras.layers.Dense(6), keras.layers.Dense(2)]
+    pm = tf_gpipe.PipelineModel([keras.Input((6,)), *layers], num_stages=3)
+    ends = np.cumsum(pm.balance)[:-1]
+    assert not any(2 < c <= 4 for c in ends) and max(pm.balance) == 4, pm.balance
+    x = np.random.RandomState(1).randn(4, 6).astype("float32")
+    expected = x
+    for layer in layers:
+        expected = layer(expected)
+    assert_all_close([expected], [pm(x)])
+    for solver in ("minmax", "min_variance"):
+        got = tf_gpipe.balance.balance_by("params", layers, 3, (4, 6), solver=solver)
+        assert not any(2 < c <= 4 for c in np.cumsum(got)[:-1]), (solver, got)
+    by_params = tf_gpipe.PipelineModel([keras.Input((6,)), *layers], num_stages=3, balance="params")
+    assert not any(2 < c <= 4 for c in np.cumsum(by_params.balance)[:-1]), by_params.balance
+    with pytest.raises(ValueError, match="'twice' is used in stages \\[0, 1\\]"):  # a balance given
+        tf_gpipe.PipelineModel(layers, balance=[3, 3, 3])
+    with pytest.raises(ValueError, match=r"'twice' is used by layers 2 and 4 .* at most 7 stages"):
+        tf_gpipe.PipelineModel(layers, num_stages=8)
 
 
 class _TiedHead(keras.layers.Layer):

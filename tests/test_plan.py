@@ -356,6 +356,20 @@ def test_tighter_budget_moves_to_remat_or_more_micro_batches():
     assert max(tight.predicted_peak_bytes) < min(never_peaks)
 
 
+def test_candidates_cut_only_where_a_shared_layer_stays_in_one_stage():
+    # Layers 1 and 3 are one layer used twice: no stage may begin at 2 or 3.
+    prof = dataclasses.replace(hand_profile(layers=6), cuts=(1, 4, 5))
+    p = plan_from_profile(prof, 4, 1e12, 16, max_micro_batches=4)
+    assert {c.num_stages for c in p.candidates} == {1, 2, 3, 4}
+    for c in p.candidates:
+        assert set(np.cumsum(c.balance)[:-1]) <= {1, 4, 5}, c.balance
+    # The profile of real layers says where a stage may begin.
+    shared, dense = keras.layers.Dense(4), keras.layers.Dense
+    layers = [keras.Input((4,)), dense(4), shared, dense(4), shared, dense(2)]
+    assert profile_layers(layers, None, [2], repeats=1, warmup=0).cuts == (1, 4)
+    assert profile_layers(layers[:2] + layers[3:4], None, [2], repeats=1, warmup=0).cuts is None
+
+
 def test_nothing_fits_says_what_would():
     prof = hand_profile(layers=4, act=1.0, params=1000)  # weights dominate: 4000 bytes a layer
     with pytest.raises(PlanError, match=r"nothing fits .* What would fit:\n  - more devices: 4") as info:

@@ -13,7 +13,7 @@ from keras import tree
 from tf_gpipe import keras_compat, structure
 from tf_gpipe.balance import solve_minmax
 from tf_gpipe.balance.profile import median_times, sandbox
-from tf_gpipe.partition import check_stages, split_by_balance
+from tf_gpipe.partition import check_stages, cuts_keeping, default_balance, split_by_balance, tied
 
 __all__: list[str] = []
 
@@ -77,10 +77,13 @@ def cut_model(
         num_stages = len(list(balance)) // virtual_stages if listed else 1  # type: ignore[arg-type]
     cells = num_stages * virtual_stages
     node_balance: list[int]
+    operations = [node.operation for node in nodes]
     if balance is None:
-        node_balance = [len(g) for g in split_by_balance(nodes, cells, None)]
+        node_balance = default_balance(operations, cells, "nodes")
     elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
-        node_balance = solve_minmax(node_costs(model, balance), cells)
+        default_balance(operations, cells, "nodes")  # no cut keeps a shared layer whole: before profiling
+        cuts = cuts_keeping(len(operations), tied(operations))
+        node_balance = solve_minmax(node_costs(model, balance), cells, cuts)
     else:
         node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
     stages = split_graph(model, node_balance, name=f"{model.name}_stage")

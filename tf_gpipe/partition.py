@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import numbers
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import keras
+import numpy as np
 
 from tf_gpipe import keras_compat
 
@@ -70,6 +72,114 @@ def split_by_balance(
         groups.append(list(items[start : start + size]))
         start += size
     return groups
+
+
+class Tied(NamedTuple):
+    """A layer or variable that several items (layers, graph nodes) use: every cut between
+    its ``first`` and ``last`` use would put it in two stages."""
+
+    first: int
+    last: int
+    kind: str  # "layer" | "variable"
+    name: str
+
+
+def tied(items: Sequence[Any]) -> list[Tied]:
+    """The layers and variables that more than one of ``items`` use, directly or nested
+    inside them (the sharing ``check_tied_layers`` refuses across stages)."""
+    layers: dict = {}  # id -> (layer, positions)
+    variables: dict = {}
+    for i, item in enumerate(items):
+        for sub in _nested(item):
+            if sub is not item and getattr(sub, "built", False) and not getattr(sub, "variables", ()):
+                continue
+            layers.setdefault(id(sub), (sub, set()))[1].add(i)
+        for v in getattr(item, "variables", ()):
+            variables.setdefault(id(v), (v, set()))[1].add(i)
+    found = []
+    for kind, table in (("layer", layers), ("variable", variables)):
+        for obj, at in table.values():
+            if len(at) > 1:
+                name = (getattr(obj, "path", None) if kind == "variable" else None) or getattr(
+                    obj, "name", None
+                )
+                found.append(Tied(min(at), max(at), kind, str(name or type(obj).__name__)))
+    return found
+
+
+def cuts_keeping(n: int, spans: Sequence[Tied]) -> list[int]:
+    """The positions ``c`` (a cut before item ``c``, 0 < c < n) that split none of ``spans``."""
+    return [c for c in range(1, n) if not any(t.first < c <= t.last for t in spans)]
+
+
+def keeps(balance: Sequence[int], spans: Sequence[Tied]) -> bool:
+    """Whether ``balance`` cuts none of ``spans``."""
+    ends = np.cumsum(list(balance))[:-1]
+    return not any(t.first < c <= t.last for c in ends for t in spans)
+
+
+def minmax_cut(costs: Sequence[float], k: int, cuts: Sequence[int] | None = None) -> list[int] | None:
+    """The contiguous split of ``costs`` into ``k`` non-empty groups whose largest sum is
+    least, cutting only at ``cuts`` (positions as ``cuts_keeping``'s; any if None); of those
+    the least sum of squares, then larger early groups. None if no split cuts only there.
+    ``balance.solve_minmax`` is this with its checks."""
+    n = len(costs)
+    prefix = np.concatenate([[0.0], np.cumsum([float(c) for c in costs])])
+    allowed = np.ones(n + 1, dtype=bool)
+    if cuts is not None:
+        allowed[1:] = False
+        allowed[list(cuts)] = True
+    bound, lengths = _sweep(prefix, k, np.maximum, allowed)
+    if not np.isfinite(bound):
+        return None
+    if bound == 0:  # nothing costs anything: even by count
+        return minmax_cut([1.0] * n, k, cuts)
+    # Same sums again (the bound holds exactly): least sum of squares, scaled by an exact power of two.
+    e = math.frexp(bound)[1]
+    squares = lambda p, s: np.where(s <= bound, p + np.ldexp(s, -e) ** 2, np.inf)  # noqa: E731
+    _, lengths = _sweep(prefix, k, squares, allowed)
+    return lengths
+
+
+def _sweep(prefix: np.ndarray, k_all: int, combine: Callable, allowed: np.ndarray) -> tuple[float, list[int]]:
+    """``table[k, i]``: the best score of the first i items in k groups; ``combine(table[k-1, j],
+    cost of items j..i-1)`` scores each last cut j (one ``allowed``). The least wins, on ties
+    the last one."""
+    n = len(prefix) - 1
+    table = np.full((k_all + 1, n + 1), np.inf)
+    table[0, 0] = 0.0
+    start = np.zeros((k_all + 1, n + 1), dtype=int)
+    for k in range(1, k_all + 1):
+        for i in range(k, n - (k_all - k) + 1):
+            j = np.arange(k - 1, i)
+            total = np.where(allowed[j], combine(table[k - 1, j], prefix[i] - prefix[j]), np.inf)
+            a = len(total) - 1 - int(np.argmin(total[::-1]))
+            table[k, i], start[k, i] = total[a], j[a]
+    ends = [n]
+    for k in range(k_all, 1, -1):
+        ends.insert(0, int(start[k, ends[0]]))
+    return float(table[k_all, n]), [b - a for a, b in zip([0] + ends[:-1], ends)]
+
+
+def default_balance(items: Sequence[Any], cells: int, what: str = "layers") -> list[int]:
+    """Items per cell when the user gives no ``balance``: an even split by count, with no cut
+    between two uses of a shared layer or variable (the fewest items in the largest cell
+    that allows); an error naming the sharing where no split into ``cells`` keeps it whole."""
+    balance = even_balance(len(items), cells)
+    spans = tied(items)
+    if keeps(balance, spans):
+        return balance
+    kept = minmax_cut([1.0] * len(items), cells, cuts_keeping(len(items), spans))
+    if kept is not None:
+        return kept
+    widest = max(spans, key=lambda t: t.last - t.first)
+    most = len(cuts_keeping(len(items), spans)) + 1
+    raise ValueError(
+        f"tf_gpipe: {widest.kind} {widest.name!r} is used by {what} {widest.first} and "
+        f"{widest.last} (of {len(items)}), and no split into {cells} stages keeps all the uses "
+        f"of the shared layers in one stage: a shared (tied) {widest.kind} lives on one device. "
+        f"Use at most {most} stage{'s' if most > 1 else ''}, or untie the weights."
+    )
 
 
 def _nested(item: Any) -> list[Any]:
@@ -188,8 +298,8 @@ def cut_into_cells(
 ) -> list[list[Any]]:
     """``PipelineModel``'s layers in ``num_stages * virtual_stages`` consecutive groups, one
     per cell: as ``balance`` gives (one entry per cell), else an even split into
-    ``num_stages`` (default: one per device given, else 1) times ``virtual_stages``.
-    Refuses a layer shared between two groups."""
+    ``num_stages`` (default: one per device given, else 1) times ``virtual_stages`` that
+    keeps each shared layer in one group. Refuses a layer shared between two groups."""
     if balance is not None:
         groups = split_by_balance(
             layers, None if num_stages is None else num_stages * virtual_stages, balance
@@ -202,6 +312,7 @@ def cut_into_cells(
     else:
         if num_stages is None:
             num_stages = len(devices) if devices is not None and not isinstance(devices, str) else 1
-        groups = split_by_balance(layers, num_stages * virtual_stages, None)
+        cells = num_stages * virtual_stages
+        groups = split_by_balance(layers, None, default_balance(layers, cells))
     check_stages(groups)
     return groups

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import numpy as np
-
-from tf_gpipe.partition import even_balance, split_by_balance
+from tf_gpipe.partition import even_balance, minmax_cut, split_by_balance
 
 __all__ = ["solve_min_variance", "solve_minmax", "stage_costs"]
 
@@ -26,7 +24,7 @@ def _checked(costs: Sequence[float], num_stages: int) -> list[float]:
     return values
 
 
-def solve_minmax(costs: Sequence[float], num_stages: int) -> list[int]:
+def solve_minmax(costs: Sequence[float], num_stages: int, cuts: Sequence[int] | None = None) -> list[int]:
     """The contiguous partition whose most expensive stage is as cheap as possible (optimal).
 
     Under fill-drain the slowest stage sets the pace, so the step time follows
@@ -37,6 +35,8 @@ def solve_minmax(costs: Sequence[float], num_stages: int) -> list[int]:
     Args:
         costs: one cost per layer, finite and >= 0.
         num_stages: K, 1 <= K <= len(costs); every stage gets at least one layer.
+        cuts: where a stage may begin (``c``: before layer ``c``, 0 < c < len(costs));
+            default anywhere. Shared layers' uses are kept in one stage this way.
 
     Returns:
         Layers per stage, e.g. ``[3, 3, 2, 2]``.
@@ -44,35 +44,17 @@ def solve_minmax(costs: Sequence[float], num_stages: int) -> list[int]:
     Example:
         >>> solve_minmax([1, 1, 1, 1, 4], 2)
         [4, 1]
+        >>> solve_minmax([1, 1, 1, 1, 4], 2, cuts=[1, 2, 3])
+        [3, 2]
     """
-    c, k_all = _checked(costs, num_stages), operator.index(num_stages)
-    prefix = np.concatenate([[0.0], np.cumsum(c)])
-    bound, _ = _sweep(prefix, k_all, np.maximum)
-    if bound == 0:  # nothing costs anything
-        return even_balance(len(c), k_all)
-    # Same sums again (the bound holds exactly): least sum of squares, scaled by an exact power of two.
-    e = math.frexp(bound)[1]
-    _, lengths = _sweep(prefix, k_all, lambda p, s: np.where(s <= bound, p + np.ldexp(s, -e) ** 2, np.inf))
+    c, k = _checked(costs, num_stages), operator.index(num_stages)
+    lengths = minmax_cut(c, k, cuts)
+    if lengths is None:
+        raise ValueError(
+            f"tf_gpipe: no split of {len(c)} layers into {k} stages begins stages only at "
+            f"cuts={sorted(cuts or [])}; use at most {len(set(cuts or [])) + 1} stages."
+        )
     return lengths
-
-
-def _sweep(prefix: np.ndarray, k_all: int, combine: Callable) -> tuple[float, list[int]]:
-    """``table[k, i]``: the best score of the first i layers in k stages; ``combine(table[k-1, j],
-    cost of layers j..i-1)`` scores each last cut j. The least wins, on ties the last one."""
-    n = len(prefix) - 1
-    table = np.full((k_all + 1, n + 1), np.inf)
-    table[0, 0] = 0.0
-    start = np.zeros((k_all + 1, n + 1), dtype=int)
-    for k in range(1, k_all + 1):
-        for i in range(k, n - (k_all - k) + 1):
-            j = np.arange(k - 1, i)
-            total = combine(table[k - 1, j], prefix[i] - prefix[j])
-            a = len(total) - 1 - int(np.argmin(total[::-1]))
-            table[k, i], start[k, i] = total[a], j[a]
-    ends = [n]
-    for k in range(k_all, 1, -1):
-        ends.insert(0, int(start[k, ends[0]]))
-    return float(table[k_all, n]), [b - a for a, b in zip([0] + ends[:-1], ends)]
 
 
 def _block_partition(costs: list[float], k: int, closest: bool) -> list[int] | None:

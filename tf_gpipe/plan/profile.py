@@ -33,6 +33,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat
 from tf_gpipe.balance.profile import listed_layers, median_times, nbytes, run_unsplit, sandbox
 from tf_gpipe.cell import layer_kwargs
+from tf_gpipe.partition import cuts_keeping, tied
 
 __all__ = ["Affine", "LayerProfile", "ModelProfile", "profile_layers"]
 
@@ -120,6 +121,9 @@ class ModelProfile:
     layers: list[LayerProfile]
     forward_call_s: Affine
     backward_call_s: Affine
+    # Where a stage may begin (before layer c), where layers share a layer or variable: a
+    # cut between two uses would put it on two devices. None: anywhere.
+    cuts: tuple[int, ...] | None = None
 
 
 def _forward_step(layer: keras.layers.Layer, mask: Any) -> Callable[[Any], tf.Tensor]:
@@ -434,4 +438,6 @@ def profile_layers(
                 host_share=min(max(cpu2[2 * i + 3] / max(t2[2 * i + 3] * processors, 1e-12), 0.0), 1.0),
             )
         )
-    return ModelProfile(out, Affine.fit(n1, call_f1, n2, call_f2), Affine.fit(n1, call_b1, n2, call_b2))
+    spans = tied(layer_list)
+    cuts = tuple(cuts_keeping(len(layer_list), spans)) if spans else None
+    return ModelProfile(out, Affine.fit(n1, call_f1, n2, call_f2), Affine.fit(n1, call_b1, n2, call_b2), cuts)

@@ -65,8 +65,13 @@ def remat_flags(remat: str, num_stages: int) -> list[bool]:
     return [remat == "always" or (remat == "except_last" and s < num_stages - 1) for s in range(num_stages)]
 
 
-def _cuts(profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slots: int) -> list[list[int]]:
-    """Time-even and memory-even cuts (deduplicated)."""
+def _cuts(
+    profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slots: int, cuts: Sequence[int] | None
+) -> list[list[int]]:
+    """Time-even and memory-even cuts (deduplicated), each stage beginning at one of ``cuts``
+    (``ModelProfile.cuts``); none where that many stages cannot."""
+    if cuts is not None and stages > len(cuts) + 1:
+        return []
     again = 2.0 if remat == "always" else 1.0  # a replayed forward, for the time cut
     time = [again * p.forward_s.at(n) + p.backward_s.at(n) for p in profiles]
     memory = [
@@ -75,7 +80,7 @@ def _cuts(profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slo
     ]
     found: list[list[int]] = []
     for costs in (time, memory):
-        cut = solve_minmax(costs, stages)
+        cut = solve_minmax(costs, stages, cuts)
         if cut not in found:
             found.append(cut)
     return found
@@ -135,7 +140,7 @@ def search(
                     continue
                 for remat in remats:
                     flags = remat_flags(remat, K * v)
-                    for balance in _cuts(profiles, K * v, n, remat, optimizer_slots):
+                    for balance in _cuts(profiles, K * v, n, remat, optimizer_slots, profile.cuts):
                         signature = (name, v, M, tuple(flags), tuple(balance))
                         if signature in seen:  # e.g. "except_last" is "never" on one stage
                             continue
