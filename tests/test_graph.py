@@ -233,6 +233,10 @@ def test_a_layer_listed_twice_is_kept_in_one_stage():
     for layer in layers:
         expected = layer(expected)
     assert_all_close([expected], [pm(x)])
+    # A layer listed twice holds its weights once.
+    assert tf_gpipe.balance.by_params(layers, (4, 6))[2:5] == [42.0, 42.0, 0.0]
+    memory = tf_gpipe.balance.by_memory(layers, (4, 6), optimizer_slots=0)
+    assert memory[2] == 2 * 42 * 4 + 4 * 6 * 4 and memory[4] == 4 * 6 * 4
     for solver in ("minmax", "min_variance"):
         got = tf_gpipe.balance.balance_by("params", layers, 3, (4, 6), solver=solver)
         assert not any(2 < c <= 4 for c in np.cumsum(got)[:-1]), (solver, got)

@@ -105,7 +105,8 @@ def nbytes(structure: Any) -> int:
 
 
 def by_params(layers: Layers, sample: Any = None, *, batch_size: int = 32) -> list[float]:
-    """Each layer's parameter count (``layer.count_params()``, trainable or not).
+    """Each layer's parameter count (``layer.count_params()``, trainable or not); a layer
+    listed twice counts at its first entry.
 
     Args:
         layers: Keras layers applied in order (a list or ``keras.Sequential``); a
@@ -123,7 +124,19 @@ def by_params(layers: Layers, sample: Any = None, *, batch_size: int = 32) -> li
         [16.0, 10.0]
     """
     layer_list, _ = run_unsplit(layers, sample, batch_size)
-    return [float(layer.count_params()) for layer in layer_list]
+    once = _first_uses(layer_list)
+    return [float(layer.count_params()) if first else 0.0 for layer, first in zip(layer_list, once)]
+
+
+def _first_uses(layer_list: list) -> list[bool]:
+    """Whether each entry is its layer's first in the list: a layer listed twice holds its
+    weights once (its uses share a stage, ``partition.default_balance``)."""
+    seen: set = set()
+    first = []
+    for layer in layer_list:
+        first.append(id(layer) not in seen)
+        seen.add(id(layer))
+    return first
 
 
 def by_memory(
@@ -132,8 +145,9 @@ def by_memory(
     """Bytes each layer holds in training: its parameters, plus its output for ``sample``.
 
     A trainable weight counts ``2 + optimizer_slots`` times (itself, its summed
-    gradient, e.g. Adam's two moments), a non-trainable one once. The output is
-    for the sample batch: make it what a stage stashes (GPipe: the mini-batch).
+    gradient, e.g. Adam's two moments), a non-trainable one once, at the layer's first
+    entry in the list. The output is for the sample batch: make it what a stage stashes
+    (GPipe: the mini-batch).
 
     Args:
         layers, sample, batch_size: as for :func:`by_params`.
@@ -148,9 +162,10 @@ def by_memory(
     """
     layer_list, records = run_unsplit(layers, sample, batch_size)
     out = []
-    for layer, (_, _, y) in zip(layer_list, records):
-        weights = (2 + optimizer_slots) * nbytes(layer.trainable_weights)
-        out.append(float(weights + nbytes(layer.non_trainable_weights) + nbytes(y)))
+    for layer, (_, _, y), first in zip(layer_list, records, _first_uses(layer_list)):
+        trainable, frozen = nbytes(layer.trainable_weights), nbytes(layer.non_trainable_weights)
+        weights = (2 + optimizer_slots) * trainable + frozen if first else 0
+        out.append(float(weights + nbytes(y)))
     return out
 
 
