@@ -84,27 +84,34 @@ class Tied(NamedTuple):
     name: str
 
 
-def tied(items: Sequence[Any]) -> list[Tied]:
-    """The layers and variables that more than one of ``items`` use, directly or nested
-    inside them (the sharing ``check_tied_layers`` refuses across stages)."""
-    layers: dict = {}  # id -> (layer, positions)
-    variables: dict = {}
+def _uses(items: Sequence[Any]) -> dict[int, tuple[str, Any, dict[int, Any]]]:
+    """Every layer and variable ``items`` use, directly or nested inside them (sublayers,
+    nested models): ``{id: (kind, it, {position of an item using it: that item})}``. A
+    built nested layer without variables may be shared, so it is left out."""
+    found: dict[int, tuple[str, Any, dict[int, Any]]] = {}
     for i, item in enumerate(items):
         for sub in _nested(item):
             if sub is not item and getattr(sub, "built", False) and not getattr(sub, "variables", ()):
                 continue
-            layers.setdefault(id(sub), (sub, set()))[1].add(i)
+            found.setdefault(id(sub), ("layer", sub, {}))[2].setdefault(i, item)
         for v in getattr(item, "variables", ()):
-            variables.setdefault(id(v), (v, set()))[1].add(i)
-    found = []
-    for kind, table in (("layer", layers), ("variable", variables)):
-        for obj, at in table.values():
-            if len(at) > 1:
-                name = (getattr(obj, "path", None) if kind == "variable" else None) or getattr(
-                    obj, "name", None
-                )
-                found.append(Tied(min(at), max(at), kind, str(name or type(obj).__name__)))
+            found.setdefault(id(v), ("variable", v, {}))[2].setdefault(i, item)
     return found
+
+
+def _name(kind: str, obj: Any) -> str:
+    name = (getattr(obj, "path", None) if kind == "variable" else None) or getattr(obj, "name", None)
+    return str(name or type(obj).__name__)
+
+
+def tied(items: Sequence[Any]) -> list[Tied]:
+    """The layers and variables that more than one of ``items`` use, directly or nested
+    inside them (the sharing ``check_tied_layers`` refuses across stages)."""
+    return [
+        Tied(min(at), max(at), kind, _name(kind, obj))
+        for kind, obj, at in _uses(items).values()
+        if len(at) > 1
+    ]
 
 
 def cuts_keeping(n: int, spans: Sequence[Tied]) -> list[int]:
@@ -212,22 +219,16 @@ def check_tied_layers(groups: Sequence[Sequence[Any]]) -> None:
     model of the stage (a tied embedding read by a sub-model in one stage and by an
     output head in another); a built nested layer without variables may be shared.
     """
-    layers: dict = {}  # id(layer) -> (layer, {stage: the stage's layer it is reached through})
-    variables: dict = {}  # id(variable) -> (variable, {stage: the stage's layer that holds it})
-    for s, group in enumerate(groups):
-        for item in group:
-            for sub in _nested(item):
-                if sub is not item and getattr(sub, "built", False) and not getattr(sub, "variables", ()):
-                    continue
-                layers.setdefault(id(sub), (sub, {}))[1].setdefault(s, item)
-            for v in getattr(item, "variables", ()):
-                variables.setdefault(id(v), (v, {}))[1].setdefault(s, item)
-    for layer, uses in layers.values():
-        if len(uses) > 1:
-            _refuse("layer", getattr(layer, "name", type(layer).__name__), layer, uses)
-    for variable, uses in variables.values():
-        if len(uses) > 1:
-            _refuse("variable", getattr(variable, "path", None) or variable.name, variable, uses)
+    items = [item for group in groups for item in group]
+    stage_of = [s for s, group in enumerate(groups) for _ in group]
+    used = _uses(items).values()
+    for kind in ("layer", "variable"):
+        for found_kind, obj, at in used:
+            uses: dict[int, Any] = {}
+            for i in sorted(at):
+                uses.setdefault(stage_of[i], at[i])
+            if found_kind == kind and len(uses) > 1:
+                _refuse(kind, _name(kind, obj), obj, uses)
 
 
 def refuse_stateful_rnns(groups: Sequence[Sequence[Any]]) -> None:
