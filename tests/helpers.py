@@ -137,3 +137,14 @@ def same_device(actual: str, expected: str) -> bool:
     same kind and index."""
     a, e = tf.DeviceSpec.from_string(actual), tf.DeviceSpec.from_string(expected)
     return (a.device_type, a.device_index) == (e.device_type, e.device_index)
+
+
+class TiedHead(keras.layers.Layer):
+    """Logits from the token embedding's own matrix (weight tying, as GPT-2's head)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))

@@ -367,14 +367,19 @@ def test_numpy_input_accepted_like_sequential():
     np.testing.assert_allclose(np.asarray(out), np.asarray(seq(x)), rtol=1e-6, atol=1e-6)
 
 
-def test_layer_shared_across_stages_is_refused():
+def test_a_layer_shared_across_stages_is_named_with_its_cost():
     shared = keras.layers.Dense(4, name="tied_dense")
     layers = [shared, keras.layers.Dense(4), shared]
-    msg = _error(ValueError, lambda: PipelineModel(layers, balance=[1, 1, 1]))
-    assert "tied_dense" in msg and "stages [0, 2]" in msg and "balance" in msg
-    msg = _error(ValueError, lambda: PipelineModel(layers, num_stages=3))  # no split keeps it whole
-    assert "tied_dense" in msg and "layers 0 and 2" in msg and "at most 1 stage," in msg
-    PipelineModel(layers, num_stages=1)  # all uses in one stage: fine
+    for kwargs in ({"balance": [1, 1, 1]}, {"num_stages": 3}):  # no split keeps it whole
+        with pytest.warns(UserWarning) as info:
+            PipelineModel(layers, **kwargs)
+        msg = str(info[0].message)
+        assert (
+            "tied_dense" in msg and "stages [0, 2]" in msg and "stage 2, the last" in msg and "balance" in msg
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PipelineModel(layers, num_stages=1)  # all uses in one stage: nothing to say
 
 
 def test_a_stateful_rnn_is_refused_with_the_fix():

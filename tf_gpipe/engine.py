@@ -34,7 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import loop_choice, micro_batch_loop, ordering
+from tf_gpipe import loop_choice, micro_batch_loop, ordering, sparse
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import MicroBatch, Split
 from tf_gpipe.pipeline_stage import PipelineStage
@@ -42,21 +42,6 @@ from tf_gpipe.pipeline_stage import PipelineStage
 __all__: list[str] = []
 
 StepLoss = micro_batch_loop.StepLoss
-
-
-def accumulate(total, g):
-    """Sum two gradients, keeping IndexedSlices sparse."""
-    if g is None:
-        return total
-    if total is None:
-        return g
-    if isinstance(total, tf.IndexedSlices) and isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            tf.concat([total.values, g.values], 0),
-            tf.concat([total.indices, g.indices], 0),
-            total.dense_shape,
-        )
-    return tf.convert_to_tensor(total) + tf.convert_to_tensor(g)
 
 
 def _whole_batch_grads(schedule: Any, batch_loss: micro_batch_loop.BatchLossFn | None, outputs, out_masks):
@@ -267,5 +252,7 @@ def run_schedule(
             last[d] = mark("end " + tag, d, ordering.done(in_grads, token, grads) or start)
     totals: dict[int, Any] = {}
     for st in stages:
-        totals.update(st.totals())
+        variables = {id(v): v for v in st.cell.trainable_variables}
+        for key, g in st.totals().items():
+            sparse.add_to(totals, variables[key], g)
     return outputs, out_masks, totals, cell_losses, terms

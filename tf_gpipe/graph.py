@@ -79,11 +79,12 @@ def cut_model(
     node_balance: list[int]
     operations = [node.operation for node in nodes]
     if balance is None:
-        node_balance = default_balance(operations, cells, "nodes")
+        node_balance = default_balance(operations, cells)
     elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
-        default_balance(operations, cells, "nodes")  # no cut keeps a shared layer whole: before profiling
         cuts = cuts_keeping(len(operations), tied(operations))
-        node_balance = solve_minmax(node_costs(model, balance), cells, cuts)
+        costs = node_costs(model, balance)
+        # A shared layer's uses in one stage where that many stages allow it.
+        node_balance = solve_minmax(costs, cells, cuts if cells <= len(cuts) + 1 else None)
     else:
         node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
     stages = split_graph(model, node_balance, name=f"{model.name}_stage")

@@ -401,10 +401,11 @@ class _Step:
                     parts_i = [
                         tf.IndexedSlices(v, ix, shape) for v, ix in emitted.each(state, ("rows", s, i))
                     ]
-                    totals[id(variables[i])] = sparse.combine(parts_i, id(variables[i]) in free)
+                    sparse.add_to(totals, variables[i], sparse.combine(parts_i, id(variables[i]) in free))
                 emitted, state = find(("grads", s))
                 # Out of the loop on the stage's device: what places the optimizer's work on
                 # a gradient (a global norm's square) beside it (``tf_gpipe.update``).
                 summed = [None if g is None else tf.identity(g) for g in emitted.total(state, ("grads", s))]
-                totals.update({id(v): g for v, g in zip(variables, summed) if g is not None})
+                for v, g in zip(variables, summed):
+                    sparse.add_to(totals, v, g)
         return list(outputs), list(out_masks), totals, cell_losses, terms

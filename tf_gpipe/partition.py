@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -168,25 +169,15 @@ def _sweep(prefix: np.ndarray, k_all: int, combine: Callable, allowed: np.ndarra
     return float(table[k_all, n]), [b - a for a, b in zip([0] + ends[:-1], ends)]
 
 
-def default_balance(items: Sequence[Any], cells: int, what: str = "layers") -> list[int]:
+def default_balance(items: Sequence[Any], cells: int) -> list[int]:
     """Items per cell when the user gives no ``balance``: an even split by count, with no cut
-    between two uses of a shared layer or variable (the fewest items in the largest cell
-    that allows); an error naming the sharing where no split into ``cells`` keeps it whole."""
+    between two uses of a shared layer or variable where a split into ``cells`` allows it
+    (then the fewest items in the largest cell); else the even split (``warn_shared``)."""
     balance = even_balance(len(items), cells)
     spans = tied(items)
     if keeps(balance, spans):
         return balance
-    kept = minmax_cut([1.0] * len(items), cells, cuts_keeping(len(items), spans))
-    if kept is not None:
-        return kept
-    widest = max(spans, key=lambda t: t.last - t.first)
-    most = len(cuts_keeping(len(items), spans)) + 1
-    raise ValueError(
-        f"tf_gpipe: {widest.kind} {widest.name!r} is used by {what} {widest.first} and "
-        f"{widest.last} (of {len(items)}), and no split into {cells} stages keeps all the uses "
-        f"of the shared layers in one stage: a shared (tied) {widest.kind} lives on one device. "
-        f"Use at most {most} stage{'s' if most > 1 else ''}, or untie the weights."
-    )
+    return minmax_cut([1.0] * len(items), cells, cuts_keeping(len(items), spans)) or balance
 
 
 def _nested(item: Any) -> list[Any]:
@@ -194,41 +185,63 @@ def _nested(item: Any) -> list[Any]:
     return keras_compat.nested_layers(item)
 
 
-def _refuse(kind: str, name: str, shared: Any, uses: dict) -> None:
+def _through(item: Any, kind: str, shared: Any) -> Any:
+    """The layer of ``item`` that uses ``shared`` (a tied head, a sub-model holding a shared
+    layer, a layer handed a variable): the deepest that holds it itself, else ``item``."""
+    found = item
+    for layer in _nested(item):
+        if layer is shared:
+            continue
+        held = keras_compat.nested_layers(layer, recursive=False)[1:] if kind == "layer" else layer.variables
+        if any(h is shared for h in held):
+            found = layer
+    return found
+
+
+def _shared_note(kind: str, name: str, shared: Any, uses: dict) -> str:
     stages = sorted(uses)
-    through = [f"{uses[s].name!r} in stage {s}" for s in stages if uses[s] is not shared]
+    holders = {s: _through(uses[s], kind, shared) for s in stages}
+    through = [f"{holders[s].name!r} in stage {s}" for s in stages if holders[s] is not shared]
     via = f" (through {' and '.join(through)})" if through else ""
-    raise ValueError(
-        f"tf_gpipe: {kind} {name!r} is used in stages {stages}{via}. A shared (tied) {kind} "
-        "lives on one device, so all its uses must fall in one stage: choose a balance whose "
-        "cuts keep them together (or untie the weights)."
+    return (
+        f"tf_gpipe: {kind} {name!r} is used in stages {stages}{via}. Its weights live on the "
+        f"device of stage {stages[-1]}, the last that uses it: stages {stages[:-1]} read them "
+        "from there at every use and send their gradients there, where they are summed before "
+        "its one update. A balance that keeps all its uses in one stage saves those copies."
     )
 
 
 def check_stages(groups: Sequence[Sequence[Any]]) -> None:
-    """Refuse what no split into these groups of layers (one per cell) can run: a layer or
-    variable two stages use, a stateful recurrent layer."""
-    check_tied_layers(groups)
+    """Refuse what no split into these groups of layers (one per cell) can run: a stateful
+    recurrent layer."""
     refuse_stateful_rnns(groups)
 
 
-def check_tied_layers(groups: Sequence[Sequence[Any]]) -> None:
-    """Refuse a layer or variable that two stages use: it can live on one device only.
-
-    A layer counts wherever it appears, directly or nested inside another layer or
-    model of the stage (a tied embedding read by a sub-model in one stage and by an
-    output head in another); a built nested layer without variables may be shared.
-    """
+def warn_shared(groups: Sequence[Sequence[Any]]) -> list[str]:
+    """Warn of each layer, or variable outside such a layer, that two stages use (a tied
+    embedding read by the first stage and by an output head in the last, a block called in
+    two): it lives on the last one's device (each cell builds its layers on its own, in
+    order), the others read it from there. A layer counts wherever it appears, directly or
+    nested; a built nested layer without variables is shared freely. Returns the texts."""
+    # A functional model's stage (``graph.GraphStage``) names the layers its nodes call.
+    groups = [[op for item in group for op in getattr(item, "stage_ops", [item])] for group in groups]
     items = [item for group in groups for item in group]
     stage_of = [s for s, group in enumerate(groups) for _ in group]
+    notes: list[str] = []
+    covered: set[int] = set()
     used = _uses(items).values()
     for kind in ("layer", "variable"):
         for found_kind, obj, at in used:
             uses: dict[int, Any] = {}
             for i in sorted(at):
                 uses.setdefault(stage_of[i], at[i])
-            if found_kind == kind and len(uses) > 1:
-                _refuse(kind, _name(kind, obj), obj, uses)
+            if found_kind != kind or len(uses) < 2 or id(obj) in covered:
+                continue
+            notes.append(_shared_note(kind, _name(kind, obj), obj, uses))
+            covered.update(id(v) for v in getattr(obj, "variables", ()))
+    for note in notes:
+        warnings.warn(note, stacklevel=4)
+    return notes
 
 
 def refuse_stateful_rnns(groups: Sequence[Sequence[Any]]) -> None:
@@ -300,7 +313,8 @@ def cut_into_cells(
     """``PipelineModel``'s layers in ``num_stages * virtual_stages`` consecutive groups, one
     per cell: as ``balance`` gives (one entry per cell), else an even split into
     ``num_stages`` (default: one per device given, else 1) times ``virtual_stages`` that
-    keeps each shared layer in one group. Refuses a layer shared between two groups."""
+    keeps each shared layer in one group where it can. Warns of a layer two groups share
+    (``warn_shared``)."""
     if balance is not None:
         groups = split_by_balance(
             layers, None if num_stages is None else num_stages * virtual_stages, balance
@@ -316,4 +330,5 @@ def cut_into_cells(
         cells = num_stages * virtual_stages
         groups = split_by_balance(layers, None, default_balance(layers, cells))
     check_stages(groups)
+    warn_shared(groups)
     return groups

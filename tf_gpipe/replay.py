@@ -142,6 +142,9 @@ def tape_gradients(
             grad_ys=[g for _, g in pairs],
             unconnected_gradients=tf.UnconnectedGradients.NONE,
             gate_gradients=gated,
+            # Not past the stage's inputs: a weight an earlier stage also reads (a tied
+            # embedding) gets its gradient there, from that stage's own backward.
+            stop_gradients=list(sources_in),
         )
     elif pairs and sources and tape is not None:
         result = tape.gradient(

@@ -124,3 +124,32 @@ def combine(parts: Sequence[Any], batch_free_rows: bool) -> Any:
         lambda: (values, indices),
     )
     return tf.IndexedSlices(values, indices, dense_shape)
+
+
+def accumulate(total, g):
+    """Sum two gradients, keeping IndexedSlices sparse."""
+    if g is None:
+        return total
+    if total is None:
+        return g
+    if isinstance(total, tf.IndexedSlices) and isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([total.values, g.values], 0),
+            tf.concat([total.indices, g.indices], 0),
+            total.dense_shape,
+        )
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(g)
+
+
+def add_to(totals: dict[int, Any], variable: Any, g: Any) -> None:
+    """Add a stage's gradient ``g`` of ``variable`` to ``totals`` (``{id(variable): gradient}``).
+    A variable two stages use (a tied weight) gets a gradient from each: their sum is made on
+    the variable's own device, where its update runs."""
+    key = id(variable)
+    if g is None:
+        return
+    if totals.get(key) is None:
+        totals[key] = g
+        return
+    with tf.device(keras_compat.backing_variable(variable).device), tf.name_scope("shared_gradient_sum"):
+        totals[key] = accumulate(totals[key], g)

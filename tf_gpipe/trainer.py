@@ -19,7 +19,8 @@ from tf_gpipe import (
     structure,
     update,
 )
-from tf_gpipe.engine import StepLoss, accumulate, run_schedule
+from tf_gpipe.engine import StepLoss, run_schedule
+from tf_gpipe.sparse import accumulate
 
 __all__: list[str] = []
 

@@ -13,7 +13,7 @@ from typing import Any
 from tf_gpipe.balance.profile import Layers, by_memory, by_params, by_time, listed_layers
 from tf_gpipe.balance.report import report
 from tf_gpipe.balance.solvers import solve_min_variance, solve_minmax, stage_costs
-from tf_gpipe.partition import cuts_keeping, default_balance, keeps, tied
+from tf_gpipe.partition import cuts_keeping, keeps, tied
 
 __all__ = [
     "METHODS",
@@ -45,8 +45,9 @@ def balance_by(
         **kwargs: for the estimator (``repeats=``, ``optimizer_slots=``, ``batch_size=``...).
 
     Returns:
-        The ``balance`` argument of :class:`~tf_gpipe.PipelineModel`: no cut falls between
-        two uses of a shared layer or variable (``solve_minmax`` where the solver's would).
+        The ``balance`` argument of :class:`~tf_gpipe.PipelineModel`: where ``num_stages``
+        allows it, no cut falls between two uses of a shared layer or variable
+        (``solve_minmax`` with ``cuts`` where the solver's split would).
 
     Example:
         >>> layers = [keras.layers.Dense(64) for _ in range(7)] + [keras.layers.Dense(10_000)]
@@ -61,13 +62,13 @@ def balance_by(
         raise ValueError(f"tf_gpipe: unknown solver {solver!r}; use one of {list(SOLVERS)}.")
     layer_list, spec = listed_layers(layers)
     solve_minmax([0.0] * len(layer_list), num_stages)  # fail before profiling, as the solver would
-    default_balance(layer_list, num_stages)  # and where no cut keeps a shared layer in one stage
     costs = estimators[method](layer_list, spec if sample is None else sample, **kwargs)
     found = solvers[solver](costs, num_stages)
     spans = tied(layer_list)
-    if keeps(found, spans):
+    cuts = cuts_keeping(len(layer_list), spans)
+    if keeps(found, spans) or num_stages > len(cuts) + 1:
         return found
-    return solve_minmax(costs, num_stages, cuts_keeping(len(layer_list), spans))
+    return solve_minmax(costs, num_stages, cuts)
 
 
 def balance_by_cost(method: str, layers: list, spec: Any, num_stages: int | None, v: int) -> list[int]:

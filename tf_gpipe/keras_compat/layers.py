@@ -58,8 +58,9 @@ def call_takes_training(layer: keras.layers.Layer) -> bool:
     return bool(private_attribute(layer, "_call_has_training_arg", why))
 
 
-def nested_layers(obj: Any) -> list[Any]:
-    """``obj`` and every layer inside it (sublayers, nested models), ``obj`` first.
+def nested_layers(obj: Any, recursive: bool = True) -> list[Any]:
+    """``obj`` and every layer inside it (sublayers, nested models), ``obj`` first; with
+    ``recursive=False``, ``obj`` and the layers it holds itself.
 
     A ``keras.Operation`` that is not a layer (an op node of a functional model) has no
     sublayers: ``[obj]``. Uses ``Layer._flatten_layers``: Keras has no public way to walk
@@ -68,7 +69,7 @@ def nested_layers(obj: Any) -> list[Any]:
     if not isinstance(obj, keras.layers.Layer):
         return [obj]
     flatten = private_attribute(obj, "_flatten_layers", "find nested BatchNormalization and tied layers")
-    return list(flatten(include_self=True))
+    return list(flatten(include_self=True, recursive=recursive))
 
 
 # ------------------------------------------------------------------------------ subclassing keras.Model

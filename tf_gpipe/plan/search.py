@@ -69,9 +69,9 @@ def _cuts(
     profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slots: int, cuts: Sequence[int] | None
 ) -> list[list[int]]:
     """Time-even and memory-even cuts (deduplicated), each stage beginning at one of ``cuts``
-    (``ModelProfile.cuts``); none where that many stages cannot."""
+    (``ModelProfile.cuts``) where that many stages can."""
     if cuts is not None and stages > len(cuts) + 1:
-        return []
+        cuts = None  # a shared layer's uses in two stages (``partition.warn_shared``)
     again = 2.0 if remat == "always" else 1.0  # a replayed forward, for the time cut
     time = [again * p.forward_s.at(n) + p.backward_s.at(n) for p in profiles]
     memory = [
