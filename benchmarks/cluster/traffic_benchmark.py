@@ -11,7 +11,9 @@ Two scenarios, each in one client process against ``LocalCluster`` workers with 
 * ``K=2, Adam, one replica``: a 2-stage pipeline, stage k on worker k (``PipelineModel``
   and ``ReplicatedPipeline`` with one device group). Target: all the bytes of all the
   processes within 1.2x of what the step must move: the input, the labels, the
-  boundary activations and their gradients, the logits and their gradient.
+  boundary activations and their gradients, the logits and their gradient. Then a small
+  language model (an embedding, a Dense, a V x W output head; tokens of length 8) with the
+  head tied to the embedding (the matrix on worker 1, read by worker 0) and untied.
 
 How the bytes are counted: the kernel's TCP counters of every socket of the client and the
 workers (``ss -tinp``: ``bytes_sent`` / ``bytes_received`` of each connection, with its
@@ -27,6 +29,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,6 +178,38 @@ def child() -> None:
     measure(lambda: reg.train_on_batch(x, y), "K=2, Adam, L2 kernels: PipelineModel", P=P2, needed=needed)
     forward = 4 * N * W + 4 * N + boundary  # input, labels, the boundary activation
     measure(lambda: reg.test_on_batch(x, y), "K=2, L2 kernels: evaluate", P=P2, needed=forward)
+
+    # A token embedding tied to the output head (as GPT-2's), the two on different workers,
+    # against the same layers untied: what sharing one V x W matrix across workers costs.
+    class TiedHead(keras.layers.Layer):
+        def __init__(self, embedding, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = embedding
+
+        def call(self, h):
+            return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+    V, T = W, 8
+    tokens = tf.constant(rng.randint(0, V, (N, T)).astype("int32"))
+    targets = tf.constant(rng.randint(0, V, (N, T)).astype("int32"))
+
+    def lm(tie):
+        keras.utils.set_random_seed(0)
+        embedding = keras.layers.Embedding(V, W)
+        head = TiedHead(embedding) if tie else keras.layers.Dense(V, use_bias=False)
+        return [embedding, keras.layers.Dense(W, activation="relu"), head]
+
+    lm_needed = 2 * 4 * N * T + 2 * 4 * N * T * W  # tokens, targets, the boundary and its gradient
+    for tie in (False, True):
+        with warnings.catch_warnings():  # the tied one's, naming the copies measured here
+            warnings.simplefilter("ignore")
+            model = tf_gpipe.PipelineModel(
+                lm(tie), devices=devices[:2], balance=[1, 2], num_micro_batches=FLAGS.micro_batches
+            )
+        model.build((None, T))
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+        name = f"K=2, Adam: embedding {'tied to' if tie else 'and'} head, V=W"
+        measure(lambda m=model: m.train_on_batch(tokens, targets), name, P=4 * V * W, needed=lm_needed)
 
 
 def mb(b: float) -> str:
