@@ -70,6 +70,7 @@ def test_a_weight_tied_across_stages_trains_as_the_unsplit_model(schedule, remat
     np.testing.assert_allclose(b, a, rtol=1e-5)
     assert_all_close(pm.get_weights(), seq.get_weights(), rtol=1e-4, atol=1e-6)
     assert_all_close([pm.predict(x, verbose=0)], [seq.predict(x, verbose=0)], rtol=1e-5, atol=1e-6)
+    assert len(pm.weights) == len(seq.weights)  # the stages' copies are no weights of the model
 
 
 @pytest.mark.parametrize("loops", [True, False])
@@ -93,6 +94,25 @@ def test_a_tied_weight_lives_on_its_last_stage_and_its_gradient_is_summed_there(
             op for op, n in ns if "shared_gradient_sum/" in n and not n.split("/")[-1].startswith("_")
         ]
     assert "AddV2" in summed["CPU:3"] and not any(v for d, v in summed.items() if d != "CPU:3"), summed
+
+
+def test_a_stage_reads_its_copy_of_a_weight_another_stage_holds(cpu_devices):
+    """Stage 0's lookup reads the embedding where it runs, from a copy made once a step:
+    reading the weight itself, on the last stage's device, would move the whole matrix there
+    at every micro-batch and pass (benchmarks/cluster/README.md). The loops inline the stage
+    calls, so their reads show in the partition graphs by name (built out, the same calls
+    run as functions of their own)."""
+    devices = cpu_devices[1:4]
+    pm = _pipeline(num_stages=3, num_micro_batches=3, devices=devices, micro_batch_loops=True)
+    pm.build((None, 5))
+    _compile(pm)
+    x, y = _data(10)
+    reads = collections.defaultdict(list)
+    for g in partition_graphs(lambda: pm.train_on_batch(x, y)):
+        for n in g.node:
+            if n.op in ("ReadVariableOp", "ResourceGather") and "stage0" in n.name:
+                reads[n.device.split("/")[-1].replace("device:", "")].append(n.name)
+    assert reads["CPU:1"] and set(reads) == {"CPU:1"}, dict(reads)
 
 
 def test_a_tied_weight_needs_no_balance_of_its_own(cpu_devices):

@@ -94,6 +94,28 @@ class Cell:
         self.stage_functions: dict[tuple[bool, bool, bool, tuple[int, ...]], Any] = {}
         self.gradient_sums: dict[int, tf.Variable] = {}
         self.batch_free_rows: frozenset[int] | None = None
+        self.copies: dict[int, tf.Variable] = {}  # ``copied``'s, by id(the weight)
+
+    def copied(self) -> list[tuple[tf.Variable, tf.Variable]]:
+        """``(weight, its copy on this cell's device)`` for each trainable weight of this cell
+        that lives on another cell's device (a weight several cells share lives on the last
+        that uses it): a training step reads the copy, made once a step
+        (``engine.run_schedule``), not the weight once per micro-batch. The copies are
+        made on first use, and are no weights of the model (not saved, not updated)."""
+        target = tf.DeviceSpec.from_string(self.device)
+        out = []
+        for v in self.trainable_variables:
+            raw = keras_compat.backing_variable(v)
+            if not isinstance(raw, tf.Variable) or _on_device(raw.device, target):
+                continue
+            copy = self.copies.get(id(raw))
+            if copy is None:
+                name = raw.name.split(":")[0] + "_copy"
+                with eager_build_scope(self.device):
+                    copy = tf.Variable(raw.read_value(), trainable=False, name=name)
+                self.copies[id(raw)] = copy
+            out.append((raw, copy))
+        return out
 
     @property
     def batch_norms(self) -> list:

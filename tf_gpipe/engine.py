@@ -175,6 +175,13 @@ def run_schedule(
     S, M = _sized(schedule, cells, split)
     batch_loss, micro_loss, targets, layer_loss_grads = loss = loss or StepLoss()
     per_micro_batch = micro_loss is not None
+    # A weight another stage holds is copied to this one's device once a step: its stage
+    # calls read the copy (``PipelineStage``), where they would read it across devices at
+    # every micro-batch (automatic control dependencies order the copy before them).
+    for cell in cells:
+        for weight, copy in cell.copied():
+            with tf.device(cell.device):
+                copy.assign(weight.read_value())
     if (
         micro_batch_loops
         and loop_choice.chosen(micro_batch_loops)

@@ -205,9 +205,10 @@ def _shared_note(kind: str, name: str, shared: Any, uses: dict) -> str:
     via = f" (through {' and '.join(through)})" if through else ""
     return (
         f"tf_gpipe: {kind} {name!r} is used in stages {stages}{via}. Its weights live on the "
-        f"device of stage {stages[-1]}, the last that uses it: stages {stages[:-1]} read them "
-        "from there at every use and send their gradients there, where they are summed before "
-        "its one update. A balance that keeps all its uses in one stage saves those copies."
+        f"device of stage {stages[-1]}, the last that uses it: stages {stages[:-1]} train on a "
+        "copy made on their devices once a step, and send their gradients there, where they "
+        "are summed before its one update. A balance that keeps all its uses in one stage "
+        "saves the copies, their memory and their traffic."
     )
 
 
@@ -221,8 +222,9 @@ def warn_shared(groups: Sequence[Sequence[Any]]) -> list[str]:
     """Warn of each layer, or variable outside such a layer, that two stages use (a tied
     embedding read by the first stage and by an output head in the last, a block called in
     two): it lives on the last one's device (each cell builds its layers on its own, in
-    order), the others read it from there. A layer counts wherever it appears, directly or
-    nested; a built nested layer without variables is shared freely. Returns the texts."""
+    order), the others train on a copy (``Cell.copied``). A layer counts wherever it
+    appears, directly or nested; a built nested layer without variables is shared freely.
+    Returns the texts."""
     # A functional model's stage (``graph.GraphStage``) names the layers its nodes call.
     groups = [[op for item in group for op in getattr(item, "stage_ops", [item])] for group in groups]
     items = [item for group in groups for item in group]

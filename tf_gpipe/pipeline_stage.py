@@ -24,7 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import cell_pass, ordering, replay, sparse, stage
+from tf_gpipe import cell_pass, handles, ordering, replay, sparse, stage
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import MicroBatch
 
@@ -76,20 +76,24 @@ class PipelineStage:
         self.specs: Any = None  # one micro-batch's (inputs, mask, side), as specs
         # Stashing: how the backward half of the taped stage reads what its forward kept.
         self.plan: Any = None
+        # The handles of the weights another stage holds, as this stage's calls read them:
+        # their copies on its device (``Cell.copied``); gradients are taken w.r.t. these.
+        self.copies = {id(w.handle): c.handle for w, c in cell.copied()}
 
     # ---------------------------------------------------------------- one micro-batch
     def forward(self, mb: MicroBatch, deferred: Any) -> replay.Record:
         """The cell on micro-batch ``mb``, its variable updates applied once; BatchNormalization
         moments pooled into ``deferred`` where given. The record is what its backward reads."""
-        return cell_pass.forward(
-            self.cell,
-            mb,
-            self.rematerialized,
-            deferred,
-            persistent=self.halves,
-            input_grads=not self.first,
-            stashing=self.stashing,
-        )
+        with handles.replaced(self.copies):
+            return cell_pass.forward(
+                self.cell,
+                mb,
+                self.rematerialized,
+                deferred,
+                persistent=self.halves,
+                input_grads=not self.first,
+                stashing=self.stashing,
+            )
 
     def call(self, mb: MicroBatch, deferred: Any) -> tuple[Any, Any, list[tf.Tensor]]:
         """The cell on ``mb`` in a forward pass alone (``__call__``, ``evaluate``, ``predict``):
@@ -120,16 +124,17 @@ class PipelineStage:
         ``tracer``: a timeline's ``(Recorder, device, tag)``."""
         to_sums = self.summing and weights
         part = stage.Part(inputs and not self.first, weights, self.summed if to_sums else None)
-        in_grads, result = cell_pass.backward(
-            self.cell,
-            record,
-            ordering.after(start, list(output_grads)),
-            ordering.after(start, loss_grads),
-            True,
-            self.cell.trainable_variables if weights else [],
-            part,
-            tracer=tracer,
-        )
+        with handles.replaced(self.copies):
+            in_grads, result = cell_pass.backward(
+                self.cell,
+                record,
+                ordering.after(start, list(output_grads)),
+                ordering.after(start, loss_grads),
+                True,
+                self.cell.trainable_variables if weights else [],
+                part,
+                tracer=tracer,
+            )
         if to_sums:
             self.summed, result = result
         return in_grads, result
