@@ -13,7 +13,7 @@ from keras import tree
 from tf_gpipe import keras_compat, structure
 from tf_gpipe.balance import solve_minmax
 from tf_gpipe.balance.profile import median_times, sandbox
-from tf_gpipe.partition import check_stages, cuts_keeping, default_balance, split_by_balance, tied
+from tf_gpipe.partition import check_stages, cuts_keeping, default_balance, split_by_balance, tied, within
 
 __all__: list[str] = []
 
@@ -81,10 +81,9 @@ def cut_model(
     if balance is None:
         node_balance = default_balance(operations, cells)
     elif isinstance(balance, str):  # "params" | "time" | "memory", per graph node
-        cuts = cuts_keeping(len(operations), tied(operations))
-        costs = node_costs(model, balance)
         # A shared layer's uses in one stage where that many stages allow it.
-        node_balance = solve_minmax(costs, cells, cuts if cells <= len(cuts) + 1 else None)
+        cuts = within(cuts_keeping(len(operations), tied(operations)), cells)
+        node_balance = solve_minmax(node_costs(model, balance), cells, cuts)
     else:
         node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
     stages = split_graph(model, node_balance, name=f"{model.name}_stage")

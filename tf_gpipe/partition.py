@@ -120,6 +120,13 @@ def cuts_keeping(n: int, spans: Sequence[Tied]) -> list[int]:
     return [c for c in range(1, n) if not any(t.first < c <= t.last for t in spans)]
 
 
+def within(cuts: Sequence[int] | None, k: int) -> Sequence[int] | None:
+    """``cuts`` (``cuts_keeping``'s) where ``k`` stages can all begin at one of them, else
+    None (anywhere): no split into ``k`` stages then keeps every shared layer's uses in one
+    stage, and a stage trains on a copy (``warn_shared``)."""
+    return cuts if cuts is not None and k <= len(cuts) + 1 else None
+
+
 def keeps(balance: Sequence[int], spans: Sequence[Tied]) -> bool:
     """Whether ``balance`` cuts none of ``spans``."""
     ends = np.cumsum(list(balance))[:-1]

@@ -13,7 +13,7 @@ from typing import Any
 from tf_gpipe.balance.profile import Layers, by_memory, by_params, by_time, listed_layers
 from tf_gpipe.balance.report import report
 from tf_gpipe.balance.solvers import solve_min_variance, solve_minmax, stage_costs
-from tf_gpipe.partition import cuts_keeping, keeps, tied
+from tf_gpipe.partition import cuts_keeping, keeps, tied, within
 
 __all__ = [
     "METHODS",
@@ -65,8 +65,8 @@ def balance_by(
     costs = estimators[method](layer_list, spec if sample is None else sample, **kwargs)
     found = solvers[solver](costs, num_stages)
     spans = tied(layer_list)
-    cuts = cuts_keeping(len(layer_list), spans)
-    if keeps(found, spans) or num_stages > len(cuts) + 1:
+    cuts = within(cuts_keeping(len(layer_list), spans), num_stages)
+    if cuts is None or keeps(found, spans):
         return found
     return solve_minmax(costs, num_stages, cuts)
 

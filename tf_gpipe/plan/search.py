@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tf_gpipe import schedules
 from tf_gpipe.balance.solvers import solve_minmax
+from tf_gpipe.partition import within
 from tf_gpipe.plan import predict
 from tf_gpipe.plan.profile import LayerProfile, ModelProfile
 
@@ -70,8 +71,7 @@ def _cuts(
 ) -> list[list[int]]:
     """Time-even and memory-even cuts (deduplicated), each stage beginning at one of ``cuts``
     (``ModelProfile.cuts``) where that many stages can."""
-    if cuts is not None and stages > len(cuts) + 1:
-        cuts = None  # a shared layer's uses in two stages (``partition.warn_shared``)
+    cuts = within(cuts, stages)
     again = 2.0 if remat == "always" else 1.0  # a replayed forward, for the time cut
     time = [again * p.forward_s.at(n) + p.backward_s.at(n) for p in profiles]
     memory = [
