@@ -247,6 +247,22 @@ def transformer_block(d: int, heads: int = 4):
     return Block()
 
 
+def tied_head(embedding):
+    """Logits from ``embedding``'s own matrix (weight tying, as GPT-2's head): a layer that
+    reads the embedding's weight, which the pipeline keeps on the last stage using it."""
+    import keras
+
+    class TiedHead(keras.layers.Layer):
+        def __init__(self, embedding, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = embedding
+
+        def call(self, h):
+            return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+    return TiedHead(embedding)
+
+
 def micro_batched_sequential(layers, num_micro_batches: int):
     """What a user would otherwise run: a ``keras.Sequential`` of ``layers`` that trains each
     mini-batch as ``num_micro_batches`` forward/backward passes, gradients summed (an

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_all_close, data, memory_probe, mlp_layers, pair
+from helpers import TiedHead, assert_all_close, data, memory_probe, mlp_layers, pair
 
 import tf_gpipe
 from tf_gpipe import schedules
@@ -275,6 +275,55 @@ def test_the_gradient_sums_zeros_are_counted_once_per_weight_shape_and_stage():
     gpipe, none = schedules.get("gpipe", 1, 2), dataclasses.replace(stage, sum_zeros_bytes=0.0)
     memory = [predict.device_memory(gpipe, [s], [True], 0)[0] for s in (stage, none)]
     assert memory[0] - memory[1] == (16 + 4) * 4
+
+
+def test_a_shared_weight_is_priced_once_where_the_step_keeps_it():
+    # Layers 0 and 2 share a 600-byte weight (a tied embedding and head): each layer's profile
+    # counts it. The step keeps it once, on the last stage using it (weight, slots, gradient
+    # sum, update); a stage before reads a copy on its own device and keeps its part of the
+    # gradient; no copy where both stages share a device.
+    prof = dataclasses.replace(hand_profile(layers=3, params=1000), shared=(((0, 2), 600),))
+    (whole,) = predict.stage_costs(prof, [3], 1)
+    assert whole.trainable_bytes == 3000 - 600 and whole.borrowed == ()
+    first, last = predict.stage_costs(prof, [1, 2], 1)
+    assert (first.trainable_bytes, last.trainable_bytes) == (400, 2000)
+    assert first.borrowed == ((0, 600.0, 1),) and last.borrowed == ()
+    assert predict.static_bytes(first, 2, 2) == 400 * 4 + 600  # its gradient's part, no slots
+    unshared = dataclasses.replace(first, borrowed=())
+    gpipe = schedules.get("gpipe", 2, 2)
+    memory = [predict.device_memory(gpipe, [st, last], [True] * 2, 2) for st in (first, unshared)]
+    assert memory[0][0] - memory[1][0] == 600 + 600 and memory[0][1] == memory[1][1]  # + the copy
+    process = [predict.process_peak(gpipe, [st, last], [True] * 2, 2) for st in (first, unshared)]
+    assert process[0] - process[1] == 1200
+    # Interleaved, stages 0 and 2 on device 0: the weight's own device, no copy.
+    four = dataclasses.replace(hand_profile(layers=4, params=1000), shared=(((0, 2), 600),))
+    stages = predict.stage_costs(four, [1, 1, 1, 1], 1)
+    assert stages[0].borrowed == ((0, 600.0, 2),)
+    inter = schedules.get("interleaved", 2, 2, 2)
+    bare = [dataclasses.replace(stages[0], borrowed=())] + stages[1:]
+    with_part = predict.device_memory(inter, stages, [True] * 4, 2)
+    assert with_part[0] - predict.device_memory(inter, bare, [True] * 4, 2)[0] == 600
+    # The memory-even cut counts it once, at its last use: the first layer weighs little.
+    heavy = [
+        dataclasses.replace(p, trainable_bytes=10100 if i in (0, 3) else 100)
+        for i, p in enumerate(four.layers)
+    ]
+    tied = dataclasses.replace(four, layers=heavy, shared=(((0, 3), 10000),))
+    balances = {
+        tuple(c.balance) for c in plan_from_profile(tied, 2, 1e12, 16, max_micro_batches=2).candidates
+    }
+    assert (3, 1) in balances and (2, 2) in balances  # memory-even, time-even
+
+
+def test_the_profile_says_which_weights_layers_share():
+    embedding = keras.layers.Embedding(50, 8)
+    layers = [keras.Input((3,), dtype="int32"), embedding, keras.layers.Dense(8), TiedHead(embedding)]
+    prof = profile_layers(layers, None, [2], repeats=1, warmup=0)
+    assert prof.shared == (((0, 2), 50 * 8 * 4),)
+    assert prof.layers[0].trainable_bytes == prof.layers[2].trainable_bytes == 50 * 8 * 4
+    (stage,) = predict.stage_costs(prof, [3], 2)
+    assert stage.trainable_bytes == 50 * 8 * 4 + (8 * 8 + 8) * 4
+    assert profile_layers(layers[:3], None, [2], repeats=1, warmup=0).shared == ()
 
 
 # The freed bytes are read in a process of their own: in a test worker, what earlier tests

@@ -115,6 +115,17 @@ def tied(items: Sequence[Any]) -> list[Tied]:
     ]
 
 
+def shared_weights(items: Sequence[Any]) -> list[tuple[Any, tuple[int, ...]]]:
+    """Each trainable variable that more than one of ``items`` use, with the positions of
+    the items using it: what a step keeps once (on the last stage using it), however
+    many layers or stages read it."""
+    return [
+        (obj, tuple(sorted(at)))
+        for kind, obj, at in _uses(items).values()
+        if kind == "variable" and len(at) > 1 and getattr(obj, "trainable", False)
+    ]
+
+
 def cuts_keeping(n: int, spans: Sequence[Tied]) -> list[int]:
     """The positions ``c`` (a cut before item ``c``, 0 < c < n) that split none of ``spans``."""
     return [c for c in range(1, n) if not any(t.first < c <= t.last for t in spans)]

@@ -181,14 +181,6 @@ def child() -> None:
 
     # A token embedding tied to the output head (as GPT-2's), the two on different workers,
     # against the same layers untied: what sharing one V x W matrix across workers costs.
-    class TiedHead(keras.layers.Layer):
-        def __init__(self, embedding, **kwargs):
-            super().__init__(**kwargs)
-            self.embedding = embedding
-
-        def call(self, h):
-            return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
-
     V, T = W, 8
     tokens = tf.constant(rng.randint(0, V, (N, T)).astype("int32"))
     targets = tf.constant(rng.randint(0, V, (N, T)).astype("int32"))
@@ -196,7 +188,7 @@ def child() -> None:
     def lm(tie):
         keras.utils.set_random_seed(0)
         embedding = keras.layers.Embedding(V, W)
-        head = TiedHead(embedding) if tie else keras.layers.Dense(V, use_bias=False)
+        head = harness.tied_head(embedding) if tie else keras.layers.Dense(V, use_bias=False)
         return [embedding, keras.layers.Dense(W, activation="relu"), head]
 
     lm_needed = 2 * 4 * N * T + 2 * 4 * N * T * W  # tokens, targets, the boundary and its gradient

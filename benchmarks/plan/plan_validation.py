@@ -29,7 +29,7 @@ import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mlp", "transformer", "cnn"], "Models to plan and measure.")
+flags.DEFINE_list("models", ["mlp", "transformer", "cnn", "tied_lm"], "Models to plan and measure.")
 flags.DEFINE_integer("devices", 4, "K: logical CPUs offered to the planner.")
 flags.DEFINE_integer(
     "batch", 128, "Global batch (small: the Work sleeps, not real compute, should dominate)."
@@ -52,6 +52,9 @@ flags.DEFINE_bool("child", False, "Internal: run one model, print RESULT lines."
 flags.DEFINE_string("model", "mlp", "Internal (child): the model.")
 
 MiB = harness.MiB
+# The language models' vocabulary: a 16384 x 128 table (8 MiB), the largest weight, which the
+# tied one's first and last layers share (the untied one has a head of its own).
+TIED_VOCAB = 16384
 # The most the allocator held at the start or end of any Work host call: what the devices hold
 # between layers, without the momentary buffers (a convolution's gradient) that the peak adds
 # when they happen to meet across devices (README, "Reading it").
@@ -207,6 +210,16 @@ def _layers(name: str, Work):
         )
         body = net.layers[1:]  # MobileNet (v1) is a chain: no skip connections
         spec = keras.Input((32, 32, 3))
+    elif name in ("tied_lm", "lm"):  # tied as GPT-2's: the head's matrix is the token embedding's
+        embedding = keras.layers.Embedding(TIED_VOCAB, 128)
+        body = [embedding] + [keras.layers.Dense(128, activation="gelu") for _ in range(3)]
+        head = (
+            harness.tied_head(embedding)
+            if name == "tied_lm"
+            else keras.layers.Dense(TIED_VOCAB, use_bias=False)
+        )
+        body += [keras.layers.GlobalAveragePooling1D(), head]
+        spec = keras.Input((32,), dtype="int32")
     else:
         raise ValueError(f"unknown model {name!r}")
     layers = [spec]
@@ -255,8 +268,12 @@ def child() -> None:
     shape = tuple(layers[0].shape[1:])
     rng = np.random.default_rng(0)
     with tf.device("CPU:0"):
-        x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
-        y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
+        if FLAGS.model in ("tied_lm", "lm"):
+            x = tf.constant(rng.integers(0, TIED_VOCAB, (FLAGS.batch,) + shape), dtype=tf.int32)
+            y = tf.constant(rng.integers(0, TIED_VOCAB, FLAGS.batch), dtype=tf.int32)
+        else:
+            x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
+            y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
     for c in chosen:
         keras.backend.clear_session()
         keras.utils.set_random_seed(0)

@@ -26,6 +26,7 @@ traced graph, allocator fragmentation and the copies between devices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ class StageCost:
     # its layers in the order they run: (seconds alone, share of the host's processors);
     # None where the profile measured no shares.
     host_segments: dict[str, tuple[tuple[float, float], ...]] | None = None
+    # The weights this stage uses that a later stage holds (``ModelProfile.shared``): (the
+    # weight's index there, its bytes, the stage holding it). The stage keeps its part of
+    # their gradient and, on another device than the holder's, a copy (``Cell.copied``).
+    borrowed: tuple[tuple[int, float, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,7 +209,28 @@ def stage_costs(profile: ModelProfile, balance: Sequence[int], n: int) -> list[S
 
     A stage's time is its layers' plus one function call's overhead per action."""
     groups = split_by_balance(list(profile.layers), None, balance)
-    return [_stage(group, n, profile, first=s == 0) for s, group in enumerate(groups)]
+    stages = [_stage(group, n, profile, first=s == 0) for s, group in enumerate(groups)]
+    return _shared(stages, profile, balance) if profile.shared else stages
+
+
+def _shared(stages: list[StageCost], profile: ModelProfile, balance: Sequence[int]) -> list[StageCost]:
+    """Each shared weight counted once, as a weight (slots, update), by the last stage using
+    it, where the step keeps it; every other stage using it borrows it (``borrowed``). Each
+    layer's profile counts it, so a stage using it twice held it twice."""
+    stage_of = [s for s, size in enumerate(balance) for _ in range(size)]
+    trainable = [float(s.trainable_bytes) for s in stages]
+    borrowed: list[list[tuple[int, float, int]]] = [[] for _ in stages]
+    for w, (at, size) in enumerate(profile.shared):
+        users = [stage_of[i] for i in at]
+        owner = max(users)
+        for s in sorted(set(users)):
+            trainable[s] -= size * (users.count(s) - (s == owner))
+            if s != owner:
+                borrowed[s].append((w, float(size), owner))
+    return [
+        dataclasses.replace(st, trainable_bytes=int(t), borrowed=tuple(b))
+        for st, t, b in zip(stages, trainable, borrowed)
+    ]
 
 
 def step_time(
@@ -249,7 +275,20 @@ def static_bytes(stage: StageCost, optimizer_slots: int, num_micro_batches: int)
     weight when M > 1; with M = 1 the gradients, as many bytes, live until the update), and
     with sums the constants that zero them (``StageCost.sum_zeros_bytes``)."""
     zeros = stage.sum_zeros_bytes if num_micro_batches > 1 else 0.0
-    return stage.trainable_bytes * (2 + optimizer_slots) + stage.non_trainable_bytes + zeros
+    parts = sum(size for _, size, _ in stage.borrowed)  # its part of a shared weight's gradient
+    return stage.trainable_bytes * (2 + optimizer_slots) + stage.non_trainable_bytes + zeros + parts
+
+
+def _copies(schedule: Schedule, stages: Sequence[StageCost]) -> list[float]:
+    """Per device, the copies it keeps of shared weights another device holds: one each,
+    however many of its stages read it."""
+    found: list[dict[int, float]] = [{} for _ in range(schedule.num_devices)]
+    for i, s in enumerate(stages):
+        d = schedule.device_of(i)
+        for w, size, owner in s.borrowed:
+            if schedule.device_of(owner) != d:
+                found[d][w] = size
+    return [sum(f.values()) for f in found]
 
 
 def _events(
@@ -315,7 +354,7 @@ def device_memory(
     """Predicted peak bytes per device: static bytes of its stages plus the larger of its
     activation peak and its optimizer update's temporaries (``update``; default
     :meth:`UpdateCost.estimate`)."""
-    static = [0.0] * schedule.num_devices
+    static = _copies(schedule, stages)
     for i, s in enumerate(stages):
         static[schedule.device_of(i)] += static_bytes(s, optimizer_slots, schedule.num_micro_batches)
     events = _events(schedule, stages, remat)
@@ -348,6 +387,7 @@ def process_peak(
     if timeline is None:  # one allocator: logical CPUs, which share the host's processors too
         timeline = step_time(schedule, stages, remat, shared_host=True)[2]
     static = sum(static_bytes(s, optimizer_slots, schedule.num_micro_batches) for s in stages)
+    static += sum(_copies(schedule, stages))
     # (time, ends first, device, bytes held from then on, momentary peak from then on)
     changes: list[tuple[float, int, int, float, float]] = []
     for d, rows in _events(schedule, stages, remat).items():

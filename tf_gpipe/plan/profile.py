@@ -33,7 +33,7 @@ import tensorflow as tf
 from tf_gpipe import keras_compat
 from tf_gpipe.balance.profile import listed_layers, median_times, nbytes, run_unsplit, sandbox
 from tf_gpipe.cell import layer_kwargs
-from tf_gpipe.partition import cuts_keeping, tied
+from tf_gpipe.partition import cuts_keeping, shared_weights, tied
 
 __all__ = ["Affine", "LayerProfile", "ModelProfile", "profile_layers"]
 
@@ -124,6 +124,9 @@ class ModelProfile:
     # Where a stage may begin (before layer c), where layers share a layer or variable: a
     # cut between two uses would put it on two devices. None: anywhere.
     cuts: tuple[int, ...] | None = None
+    # Each trainable weight several layers use (a tied embedding): (the positions of the
+    # layers using it, its bytes). Each of those layers' ``trainable_bytes`` counts it.
+    shared: tuple[tuple[tuple[int, ...], int], ...] = ()
 
 
 def _forward_step(layer: keras.layers.Layer, mask: Any) -> Callable[[Any], tf.Tensor]:
@@ -440,4 +443,6 @@ def profile_layers(
         )
     spans = tied(layer_list)
     cuts = tuple(cuts_keeping(len(layer_list), spans)) if spans else None
-    return ModelProfile(out, Affine.fit(n1, call_f1, n2, call_f2), Affine.fit(n1, call_b1, n2, call_b2), cuts)
+    shared = tuple((at, nbytes([v])) for v, at in shared_weights(layer_list))
+    call_f, call_b = Affine.fit(n1, call_f1, n2, call_f2), Affine.fit(n1, call_b1, n2, call_b2)
+    return ModelProfile(out, call_f, call_b, cuts, shared)

@@ -16,7 +16,7 @@ from tf_gpipe import schedules
 from tf_gpipe.balance.solvers import solve_minmax
 from tf_gpipe.partition import within
 from tf_gpipe.plan import predict
-from tf_gpipe.plan.profile import LayerProfile, ModelProfile
+from tf_gpipe.plan.profile import ModelProfile
 
 __all__ = ["REMATS", "Candidate", "micro_batch_counts", "search"]
 
@@ -66,17 +66,20 @@ def remat_flags(remat: str, num_stages: int) -> list[bool]:
     return [remat == "always" or (remat == "except_last" and s < num_stages - 1) for s in range(num_stages)]
 
 
-def _cuts(
-    profiles: Sequence[LayerProfile], stages: int, n: int, remat: str, slots: int, cuts: Sequence[int] | None
-) -> list[list[int]]:
-    """Time-even and memory-even cuts (deduplicated), each stage beginning at one of ``cuts``
-    (``ModelProfile.cuts``) where that many stages can."""
-    cuts = within(cuts, stages)
+def _cuts(profile: ModelProfile, stages: int, n: int, remat: str, slots: int) -> list[list[int]]:
+    """Time-even and memory-even cuts (deduplicated), each stage beginning at one of the
+    profile's ``cuts`` where that many stages can."""
+    profiles = profile.layers
+    cuts = within(profile.cuts, stages)
     again = 2.0 if remat == "always" else 1.0  # a replayed forward, for the time cut
     time = [again * p.forward_s.at(n) + p.backward_s.at(n) for p in profiles]
+    weights = [float(p.trainable_bytes) for p in profiles]
+    for at, size in profile.shared:  # counted once, by its last use: where the step keeps it
+        for i in at[:-1]:
+            weights[i] -= size
     memory = [
-        p.trainable_bytes * (2 + slots) + p.non_trainable_bytes + p.saved_bytes.at(n) + p.output_bytes.at(n)
-        for p in profiles
+        w * (2 + slots) + p.non_trainable_bytes + p.saved_bytes.at(n) + p.output_bytes.at(n)
+        for w, p in zip(weights, profiles)
     ]
     found: list[list[int]] = []
     for costs in (time, memory):
@@ -140,7 +143,7 @@ def search(
                     continue
                 for remat in remats:
                     flags = remat_flags(remat, K * v)
-                    for balance in _cuts(profiles, K * v, n, remat, optimizer_slots, profile.cuts):
+                    for balance in _cuts(profile, K * v, n, remat, optimizer_slots):
                         signature = (name, v, M, tuple(flags), tuple(balance))
                         if signature in seen:  # e.g. "except_last" is "never" on one stage
                             continue
