@@ -29,7 +29,7 @@ import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mlp", "transformer", "cnn", "tied_lm"], "Models to plan and measure.")
+flags.DEFINE_list("models", ["mlp", "transformer", "cnn"], "Models to plan and measure (also: lm, tied_lm).")
 flags.DEFINE_integer("devices", 4, "K: logical CPUs offered to the planner.")
 flags.DEFINE_integer(
     "batch", 128, "Global batch (small: the Work sleeps, not real compute, should dominate)."
@@ -228,6 +228,18 @@ def _layers(name: str, Work):
     return layers
 
 
+def batch(rng, shape):
+    """A batch for ``FLAGS.model``: tokens and next-token labels for the language models."""
+    import numpy as np
+    import tensorflow as tf
+
+    if FLAGS.model in ("tied_lm", "lm"):
+        x = tf.constant(rng.integers(0, TIED_VOCAB, (FLAGS.batch,) + shape), dtype=tf.int32)
+        return x, tf.constant(rng.integers(0, TIED_VOCAB, FLAGS.batch), dtype=tf.int32)
+    x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
+    return x, tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
+
+
 def child() -> None:
     import serial_device as sd
 
@@ -268,12 +280,7 @@ def child() -> None:
     shape = tuple(layers[0].shape[1:])
     rng = np.random.default_rng(0)
     with tf.device("CPU:0"):
-        if FLAGS.model in ("tied_lm", "lm"):
-            x = tf.constant(rng.integers(0, TIED_VOCAB, (FLAGS.batch,) + shape), dtype=tf.int32)
-            y = tf.constant(rng.integers(0, TIED_VOCAB, FLAGS.batch), dtype=tf.int32)
-        else:
-            x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
-            y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
+        x, y = batch(rng, shape)
     for c in chosen:
         keras.backend.clear_session()
         keras.utils.set_random_seed(0)

@@ -92,8 +92,7 @@ def main(argv):
     shape = tuple(layers[0].shape[1:])
     rng = np.random.default_rng(0)
     with tf.device("CPU:0"):
-        x = tf.constant(rng.standard_normal((FLAGS.batch,) + shape, dtype=np.float32))
-        y = tf.constant(rng.integers(0, 10, FLAGS.batch), dtype=tf.int32)
+        x, y = pv.batch(rng, shape)
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
     tf.config.experimental.reset_memory_stats("CPU:0")
