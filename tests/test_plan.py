@@ -471,6 +471,42 @@ def test_pipeline_model_takes_the_plan_and_matches_sequential():
         tf_gpipe.PipelineModel(mlp_layers(), plan=p, devices=CPUS[2:])
 
 
+def _skip_model():
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(8, activation="tanh")(inp)
+    h = keras.layers.Add()([h, keras.layers.Dense(8, activation="relu")(h)])  # a skip connection
+    h = keras.layers.LayerNormalization()(keras.layers.Dense(8)(h))
+    return keras.Model(inp, keras.layers.Dense(3)(h))
+
+
+def test_a_functional_model_is_planned_by_node_and_built_with_from_model():
+    source, unsplit = _skip_model(), _skip_model()
+    p = tf_gpipe.plan(source, None, CPUS[:2], 1e9, 10, max_micro_batches=4, repeats=1)
+    # Each node priced as from_model cuts it: what crosses the cut after the first Dense is
+    # that Dense's output, which the skip and the second Dense both read.
+    assert p.profile.of_graph and len(p.profile.layers) == 6
+    assert p.profile.layers[0].output_bytes.per_example == 8 * 4
+    assert p.profile.layers[1].output_bytes.per_example == 2 * 8 * 4  # the skip, carried
+    # Of the plan's candidates, one with uneven micro-batches (10 examples in 4) on 2 devices.
+    p.chosen = next(c for c in p.candidates if c.num_stages == 2 and c.num_micro_batches == 4)
+    pm = tf_gpipe.PipelineModel.from_model(source, plan=p)
+    assert pm.balance == p.balance and pm.num_micro_batches == 4 and pm.devices == CPUS[:2]
+    assert (pm.remat, pm.schedule, pm.virtual_stages) == (p.remat, p.schedule, p.virtual_stages)
+    x, y = data(10)
+    for model in (unsplit, pm):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.train_on_batch(x, y)
+    assert_all_close(unsplit.get_weights(), pm.get_weights())
+    with pytest.raises(ValueError, match=r"counts nodes.*from_model\(model, plan=p\)"):
+        tf_gpipe.PipelineModel(source.layers[1:], plan=p)
+    with pytest.raises(ValueError, match=r"num_micro_batches=2 disagrees"):
+        tf_gpipe.PipelineModel.from_model(_skip_model(), plan=p, num_micro_batches=2)
+
+
 def test_plan_profiles_real_layers():
     layers = [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(3)]
     prof = profile_layers(layers, None, [2, 8], repeats=1, warmup=0)
@@ -586,9 +622,13 @@ def test_bad_arguments_name_the_problem():
         plan_from_profile(prof, 2, 0, 8)
     with pytest.raises(ValueError, match="remats must be some of"):
         plan_from_profile(prof, 2, 1e9, 8, remats=["sometimes"])
-    with pytest.raises(TypeError, match="functional model"):
-        inp = keras.Input((4,))
-        tf_gpipe.plan(keras.Model(inp, keras.layers.Dense(2)(inp)), None, 2, 1e9, 8)
+
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="needs a functional Keras model"):  # no graph to cut
+        tf_gpipe.plan(Subclassed(), (None, 4), 2, 1e9, 8)
     assert np.isfinite(plan_from_profile(prof, 1, 1e9, 8).predicted_step_s)
 
 

@@ -87,8 +87,7 @@ def cut_model(
     else:
         node_balance = [len(g) for g in split_by_balance(nodes, cells, balance)]
     stages = split_graph(model, node_balance, name=f"{model.name}_stage")
-    spec = tree.pack_sequence_as(keras_compat.inputs_structure(model), model.inputs)
-    return Cut(stages, num_stages, list(node_balance), structure.spec_from(spec), model)
+    return Cut(stages, num_stages, list(node_balance), structure.spec_from(input_spec(model)), model)
 
 
 class GraphStage(keras.layers.Layer):
@@ -192,6 +191,19 @@ def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage")
             )
         )
     return stages
+
+
+def node_stages(model: keras.Model) -> list[GraphStage]:
+    """Each node of ``model`` as a stage of its own: what ``tf_gpipe.plan`` profiles, so that a
+    balance over them is one ``from_model`` cuts by."""
+    if isinstance(model, keras.Sequential):
+        model = keras_compat.sequential_functional(model) or model
+    return split_graph(model, [1] * len(graph_nodes(model)), name=f"{model.name}_node")
+
+
+def input_spec(model: keras.Model) -> Any:
+    """The model's inputs, nested as it takes them."""
+    return tree.pack_sequence_as(keras_compat.inputs_structure(model), model.inputs)
 
 
 def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: int = 5) -> list[float]:

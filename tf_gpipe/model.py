@@ -229,7 +229,7 @@ class PipelineModel(keras.Model):
                 where the largest stage's cost (``graph.node_costs``) is smallest; default an
                 even split by node count.
             virtual_stages: as in ``PipelineModel``.
-            **kwargs: the other ``PipelineModel`` arguments.
+            **kwargs: the other ``PipelineModel`` arguments; ``plan=tf_gpipe.plan(model, ...)``.
 
         Example:
 
@@ -240,6 +240,10 @@ class PipelineModel(keras.Model):
         pm = tf_gpipe.PipelineModel.from_model(keras.Model(inp, out), num_stages=2)
         ```
         """
+        if kwargs.get("plan") is not None:  # ``tf_gpipe.plan(model, ...)``: a balance of nodes
+            num_stages, balance, virtual_stages = kwargs.pop("plan").for_nodes(
+                num_stages, balance, virtual_stages, kwargs
+            )
         cut = graph.cut_model(model, num_stages, balance, virtual_stages)
         instance = cls(cut.stages, num_stages=cut.num_stages, virtual_stages=virtual_stages, **kwargs)
         instance._source_model = cut.source

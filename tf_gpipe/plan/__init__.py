@@ -9,6 +9,7 @@ and ``tf_gpipe.plan.report`` holds the chosen :class:`Plan` and its report.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_gpipe import graph
 from tf_gpipe.plan import predict, profile, report, search  # noqa: F401  (predict: for readers)
 from tf_gpipe.plan.predict import UpdateCost
 from tf_gpipe.plan.profile import ModelProfile, allocator_name
@@ -118,9 +120,12 @@ def plan(
 
     Args:
         layers_or_model: Keras layers (a list, or a ``keras.Sequential``), as for
-            ``PipelineModel``. Functional models with skip connections are not planned yet.
+            ``PipelineModel``; or a functional model (skip connections, several inputs),
+            planned node by node as ``PipelineModel.from_model`` cuts it: its plan's
+            ``balance`` counts nodes, and it is used as ``from_model(model, plan=p)``.
         sample_input: a batch, a shape such as ``(32, 784)``, or ``keras.Input``;
-            its batch dimension is replaced by the micro-batch sizes profiled.
+            its batch dimension is replaced by the micro-batch sizes profiled. None for a
+            functional model: its inputs.
         devices: device strings (the plan uses the first K), or a device count.
         memory_budget_bytes: the most bytes any device may hold.
         global_batch: examples per training step.
@@ -150,11 +155,13 @@ def plan(
         >>> p = tf_gpipe.plan(layers, (None, 784), ["/CPU:0", "/CPU:1"], 2**30, global_batch=256)
         >>> model = tf_gpipe.PipelineModel(layers, plan=p); print(p.report())  # doctest: +SKIP
     """
+    items, of_graph = layers_or_model, False
     if isinstance(layers_or_model, keras.Model) and not isinstance(layers_or_model, keras.Sequential):
-        raise TypeError(
-            "tf_gpipe: plan takes a list of layers or a keras.Sequential; a functional model "
-            "with skip connections cannot be planned yet (pass its layers if they form a chain)."
-        )
+        # A functional model is planned node by node, as from_model cuts it: each node a
+        # stage of its own, taking and returning what crosses the cut after it (skips too).
+        items, of_graph = graph.node_stages(layers_or_model), True
+        if sample_input is None:
+            sample_input = graph.input_spec(layers_or_model)
     _check(devices, global_batch, memory_budget_bytes, remats)
     if optimizer is not None and optimizer_slots is not None:
         raise ValueError("tf_gpipe: give optimizer or optimizer_slots, not both.")
@@ -163,12 +170,13 @@ def plan(
     if profile_device is None:
         profile_device = devices[0] if not isinstance(devices, int) and not isinstance(devices, str) else None
     profiled = profile.profile_layers(
-        layers_or_model,
+        items,
         sample_input,
         [min(sizes), max(sizes)],
         repeats=repeats,
         device=profile_device or "/device:CPU:0",
     )
+    profiled = dataclasses.replace(profiled, of_graph=of_graph)
     device = profile_device or "/device:CPU:0"
     return plan_from_profile(
         profiled,

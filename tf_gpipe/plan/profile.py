@@ -127,6 +127,9 @@ class ModelProfile:
     # Each trainable weight several layers use (a tied embedding): (the positions of the
     # layers using it, its bytes). Each of those layers' ``trainable_bytes`` counts it.
     shared: tuple[tuple[tuple[int, ...], int], ...] = ()
+    # The items are a functional model's nodes (``tf_gpipe.plan`` of a functional model): a
+    # plan's balance then counts nodes, for ``PipelineModel.from_model``.
+    of_graph: bool = False
 
 
 def _forward_step(layer: keras.layers.Layer, mask: Any) -> Callable[[Any], tf.Tensor]:

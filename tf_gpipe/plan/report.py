@@ -87,12 +87,18 @@ class Plan:
         """The ``PipelineModel`` keyword arguments this plan sets."""
         return {name: getattr(self, name) for name in SETTINGS}
 
-    def resolve(self, **given: Any) -> tuple[Any, ...]:
+    def resolve(self, nodes: bool = False, **given: Any) -> tuple[Any, ...]:
         """``PipelineModel``'s arguments with this plan's settings, in the order of ``SETTINGS``.
 
         An argument left at ``PipelineModel``'s default takes the plan's value; any
         other must equal it (``devices`` too, unless the plan was made for a count).
+        ``nodes``: for ``PipelineModel.from_model``, whose balance counts nodes.
         """
+        if self.profile.of_graph and not nodes:
+            raise ValueError(
+                "tf_gpipe: this plan cuts a functional model's nodes (its balance counts nodes, "
+                "not layers); build the model with PipelineModel.from_model(model, plan=p)."
+            )
         defaults = {k: p.default for k, p in inspect.signature(PipelineModel.__init__).parameters.items()}
         out = self.settings()
         for name, value in given.items():
@@ -108,6 +114,21 @@ class Plan:
         if out["devices"] is None:
             out["devices"] = given.get("devices")
         return tuple(out[name] for name in SETTINGS)
+
+    def for_nodes(
+        self, num_stages: Any, balance: Any, virtual_stages: Any, kwargs: dict
+    ) -> tuple[Any, Any, Any]:
+        """``PipelineModel.from_model``'s ``(num_stages, balance, virtual_stages)`` with this
+        plan's settings (its balance counts the model's nodes); the others it sets go into
+        ``kwargs``, the rest of ``from_model``'s arguments."""
+        others = ("num_micro_batches", "devices", "remat", "schedule")
+        given = {k: kwargs.pop(k) for k in others if k in kwargs}
+        found = self.resolve(
+            True, num_stages=num_stages, balance=balance, virtual_stages=virtual_stages, **given
+        )
+        out = dict(zip(SETTINGS, found))
+        kwargs.update({k: out[k] for k in others})
+        return out["num_stages"], out["balance"], out["virtual_stages"]
 
     def __repr__(self) -> str:
         return (
