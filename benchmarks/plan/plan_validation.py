@@ -29,7 +29,9 @@ import harness  # also puts the repo root on sys.path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["mlp", "transformer", "cnn"], "Models to plan and measure (also: lm, tied_lm).")
+flags.DEFINE_list(
+    "models", ["mlp", "transformer", "cnn"], "Models to plan and measure (also: lm, tied_lm, skip_mlp)."
+)
 flags.DEFINE_integer("devices", 4, "K: logical CPUs offered to the planner.")
 flags.DEFINE_integer(
     "batch", 128, "Global batch (small: the Work sleeps, not real compute, should dominate)."
@@ -220,12 +222,37 @@ def _layers(name: str, Work):
         )
         body += [keras.layers.GlobalAveragePooling1D(), head]
         spec = keras.Input((32,), dtype="int32")
+    elif name == "skip_mlp":  # functional: planned node by node (each residual add a node)
+        inp = h = keras.Input((128,))
+        h = Work(name="work_in", **work)(keras.layers.Dense(256)(h))
+        for i in range(3):
+            inner = Work(name=f"work_{i}", **work)(keras.layers.Dense(256, activation="relu")(h))
+            h = keras.layers.Add()([h, inner])  # h skips the block
+        return keras.Model(inp, Work(name="work_out", **work)(keras.layers.Dense(10)(h)))
     else:
         raise ValueError(f"unknown model {name!r}")
     layers = [spec]
     for i, layer in enumerate(body):
         layers += [layer, Work(name=f"work_{i}", **work)]
     return layers
+
+
+def input_shape(layers) -> tuple:
+    """The example shape of ``_layers``' list (its ``keras.Input``) or functional model."""
+    import keras
+
+    return tuple((layers.inputs[0] if isinstance(layers, keras.Model) else layers[0]).shape[1:])
+
+
+def build(layers, p):
+    """The pipeline of plan ``p``: ``from_model`` for a functional model (a plan of nodes)."""
+    import keras
+
+    import tf_gpipe
+
+    if isinstance(layers, keras.Model):
+        return tf_gpipe.PipelineModel.from_model(layers, plan=p)
+    return tf_gpipe.PipelineModel(layers, plan=p)
 
 
 def batch(rng, shape):
@@ -277,7 +304,7 @@ def child() -> None:
         other = next((c for c in p.candidates if c.fits and c.schedule == name), None)
         if other is not None and other not in chosen:
             chosen.append(other)
-    shape = tuple(layers[0].shape[1:])
+    shape = input_shape(layers)
     rng = np.random.default_rng(0)
     with tf.device("CPU:0"):
         x, y = batch(rng, shape)
@@ -288,7 +315,7 @@ def child() -> None:
         p.chosen = c  # measure this candidate as if chosen
         tf.config.experimental.reset_memory_stats("CPU:0")
         base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        model = tf_gpipe.PipelineModel(fresh, plan=p)
+        model = build(fresh, p)
         model.compile(
             optimizer=FLAGS.optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

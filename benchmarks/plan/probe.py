@@ -89,7 +89,7 @@ def main(argv):
     for i, s in enumerate(c.stages):
         print(f"  stage {i} device {schedule.device_of(i)}: input {s.input_bytes / MiB:.2f} stash "
               f"{s.activation_bytes / MiB:.2f} backward {s.backward_bytes / MiB:.2f} MiB")  # fmt: skip
-    shape = tuple(layers[0].shape[1:])
+    shape = pv.input_shape(layers)
     rng = np.random.default_rng(0)
     with tf.device("CPU:0"):
         x, y = pv.batch(rng, shape)
@@ -97,7 +97,7 @@ def main(argv):
     keras.utils.set_random_seed(0)
     tf.config.experimental.reset_memory_stats("CPU:0")
     base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    model = tf_gpipe.PipelineModel(pv._layers(FLAGS.model, Work), plan=p)
+    model = pv.build(pv._layers(FLAGS.model, Work), p)
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=False)  # fmt: skip
     model.train_on_batch(x, y)
