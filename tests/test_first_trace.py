@@ -54,7 +54,8 @@ def traces(monkeypatch):
     return _counted(monkeypatch, trainer, "train_step")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+# zb-h1 at M=3, K=2 is built out (``loop_choice.chosen``): its gradient sums are made first.
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_train_on_batch_traces_an_unbuilt_models_step_once(cpu_devices, traces, schedule):
     x, y = data(N)
     pm, seq = _pipeline(cpu_devices, schedule), _compiled(keras.Sequential(mlp_layers()))

@@ -81,7 +81,7 @@ def test_the_loop_computes_what_the_built_out_step_does(schedule, remat, monkeyp
     calls = []
     original = micro_batch_loop.run
     monkeypatch.setattr(micro_batch_loop, "run", lambda *a, **k: calls.append(1) or original(*a, **k))
-    got = _fit(_token_layers(), x, y, 13, **kwargs)
+    got = _fit(_token_layers(), x, y, 13, micro_batch_loops=True, **kwargs)
     assert calls
     assert_all_close(got[0], want[0])
     assert_all_close(got[1], want[1], rtol=TRAINED_TOL, atol=TRAINED_TOL)

@@ -1,5 +1,5 @@
 """One schedule with the loops over micro-batches against built out, on plan_validation's MLP
-and its serial ``Work`` layers, K=4, ``remat="never"``, the planner's cut for M.
+and its serial ``Work`` layers, K=4, ``--remat`` (default "never"), the planner's cut for M.
 
     python benchmarks/plan/loops_ab.py --schedule=zb-h1 --micro_batches=2
 
@@ -22,6 +22,7 @@ from absl import app, flags
 flags.DEFINE_string("schedule", "zb-h1", "Schedule to build both ways.")
 flags.DEFINE_integer("micro_batches", 2, "M.")
 flags.DEFINE_integer("rounds", 5, "Rounds, each build timed once a round.")
+flags.DEFINE_string("remat", "never", "Remat mode.")
 FLAGS = flags.FLAGS
 
 
@@ -40,7 +41,7 @@ def main(_) -> None:
     M = FLAGS.micro_batches
     p = tf_gpipe.plan(
         layers, None, devices, 2**30, FLAGS.batch, optimizer="adam", max_micro_batches=M,
-        schedules=[FLAGS.schedule], remats=["never"], repeats=2,
+        schedules=[FLAGS.schedule], remats=[FLAGS.remat], repeats=2,
     )  # fmt: skip
     p.chosen = next(c for c in p.candidates if c.num_micro_batches == M and c.num_stages == 4)
     print(p)

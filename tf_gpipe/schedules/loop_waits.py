@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from tf_gpipe.schedules.schedule import Action, Schedule
 
-__all__ = ["Wait", "waits"]
+__all__ = ["Wait", "defers_weights", "waits"]
 
 
 class Wait(NamedTuple):
@@ -84,3 +84,17 @@ def waits(schedule: Schedule) -> list[Wait]:
         if lag < M:
             found.append(Wait(kind, s, on_kind, on_s, lag))
     return found
+
+
+def defers_weights(schedule: Schedule) -> bool:
+    """Whether a device runs a weight half W(m) after an action of a later micro-batch
+    (zb-h1: W(m) after B(m + 1)). A loop iteration holds W(m) to nothing later than its own
+    micro-batch, so in a loop W(m) may take the device while the schedule's next action
+    waits: what the deferral of W was for (benchmarks/plan/README.md)."""
+    for order in schedule.orders:
+        latest = -1
+        for a in order:
+            if a.kind == "W" and latest > a.micro_batch:
+                return True
+            latest = max(latest, a.micro_batch)
+    return False
