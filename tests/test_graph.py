@@ -98,7 +98,9 @@ def test_transformer_with_dict_inputs_and_outputs(schedule, batch_size, monkeypa
     monkeypatch.setattr(micro_batch_loop, "run", lambda *a, **k: looped.append(1) or original(*a, **k))
     model = transformer_like(two_inputs=True, blocks=1)  # its 12 nodes still make 3 stages of 4
     ref = _clone(model)
-    pm = tf_gpipe.PipelineModel.from_model(model, num_stages=3, num_micro_batches=2, schedule=schedule)
+    pm = tf_gpipe.PipelineModel.from_model(
+        model, num_stages=3, num_micro_batches=2, schedule=schedule, micro_batch_loops=True
+    )  # zb-h1 at M=2 is built out by default
     rng = np.random.RandomState(1)
     x = {"tokens": rng.randint(0, 20, (10, 6)), "extra": rng.randn(10, 6, 16).astype("float32")}
     y = {"logits": rng.randint(0, 3, 10), "aux": rng.randn(10, 1).astype("float32")}
