@@ -54,7 +54,6 @@ def traces(monkeypatch):
     return _counted(monkeypatch, trainer, "train_step")
 
 
-# zb-h1 at M=3, K=2 is built out (``loop_choice.chosen``): its gradient sums are made first.
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_train_on_batch_traces_an_unbuilt_models_step_once(cpu_devices, traces, schedule):
     x, y = data(N)

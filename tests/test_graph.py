@@ -100,7 +100,7 @@ def test_transformer_with_dict_inputs_and_outputs(schedule, batch_size, monkeypa
     ref = _clone(model)
     pm = tf_gpipe.PipelineModel.from_model(
         model, num_stages=3, num_micro_batches=2, schedule=schedule, micro_batch_loops=True
-    )  # zb-h1 at M=2 is built out by default
+    )
     rng = np.random.RandomState(1)
     x = {"tokens": rng.randint(0, 20, (10, 6)), "extra": rng.randn(10, 6, 16).astype("float32")}
     y = {"logits": rng.randint(0, 3, 10), "aux": rng.randn(10, 1).astype("float32")}

@@ -13,7 +13,7 @@ from test_side_inputs import _inputs as side_data
 from test_side_inputs import _layers as side_layers
 
 import tf_gpipe
-from tf_gpipe import loop_choice, loop_state, micro_batch_loop, schedules
+from tf_gpipe import loop_choice, loop_state, micro_batch_loop
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CALLS = ("StatefulPartitionedCall", "PartitionedCall")
@@ -230,21 +230,8 @@ def test_other_steps_are_built_out(kwargs, monkeypatch):
 @pytest.mark.parametrize("remat", ["always", "never"])
 def test_per_micro_batch_schedules_loop_by_default(schedule, remat, monkeypatch):
     """Every schedule whose loss is per micro-batch, with any remat mode, is one loop over
-    micro-batches by default on CPUs (``tf_gpipe.micro_batch_loop``); zb-h1 from M = 4K."""
-    M = 8 if schedule == "zb-h1" else 4
-    assert _uses_loop(monkeypatch, schedule=schedule, remat=remat, num_micro_batches=M)
-
-
-@pytest.mark.parametrize("remat", ["always", "never"])
-def test_zb_h1_is_built_out_by_default_below_4k_micro_batches(remat, monkeypatch):
-    """zb-h1 runs each W(m) after later micro-batches' actions, which a loop iteration cannot
-    hold it to, so a loop loses the deferral at small M (benchmarks/plan/README.md): "auto"
-    builds it out at M < 4K (K=2: M=4), True still loops."""
-    assert not _uses_loop(monkeypatch, schedule="zb-h1", remat=remat)
-    assert _uses_loop(monkeypatch, schedule="zb-h1", remat=remat, micro_batch_loops=True)
-    assert loop_choice.chosen("auto", schedules.get("1f1b", 2, 2))
-    assert not loop_choice.chosen("auto", schedules.get("zb-h1", 4, 15))
-    assert loop_choice.chosen("auto", schedules.get("zb-h1", 4, 16))
+    micro-batches by default on CPUs (``tf_gpipe.micro_batch_loop``)."""
+    assert _uses_loop(monkeypatch, schedule=schedule, remat=remat)
 
 
 def test_auto_asks_for_the_loops_on_every_device():

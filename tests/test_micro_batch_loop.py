@@ -16,7 +16,7 @@ from test_loop import _token_data, _token_layers
 
 import tf_gpipe
 from tf_gpipe import keras_compat, loop_state, micro_batch_loop, schedules, stash
-from tf_gpipe.schedules.loop_waits import Wait, waits
+from tf_gpipe.schedules.loop_waits import Wait, waits, weight_lags
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 SCHEDULES = {
@@ -46,11 +46,20 @@ def test_every_wait_holds_in_the_schedules_order(name, M):
         M *= K
     schedule = schedules.get(name, K, M, 2 if name == "interleaved" else 1)
     position = {a: (d, i) for d, order in enumerate(schedule.orders) for i, a in enumerate(order)}
-    for w in waits(schedule):
-        for m in range(w.lag, M):
-            d, i = position[schedules.Action(w.kind, w.stage, m)]
-            d_on, i_on = position[schedules.Action(w.on_kind, w.on_stage, m - w.lag)]
-            assert d == d_on and i_on < i, (w, m)
+    # Iteration i runs stage s's W of micro-batch i - later[s], every other action of i.
+    later = weight_lags(schedule)
+    assert later == ({s: min(s, M - 1) for s in range(1, K)} if name == "zb-h1" else {})
+
+    def micro_batch(kind, stage, i):
+        return i - (later.get(stage, 0) if kind == "W" else 0)
+
+    for w in waits(schedule, later):
+        for i in range(M):
+            m, m_on = micro_batch(w.kind, w.stage, i), micro_batch(w.on_kind, w.on_stage, i - w.lag)
+            if 0 <= m < M and 0 <= m_on < M:
+                d, at = position[schedules.Action(w.kind, w.stage, m)]
+                d_on, at_on = position[schedules.Action(w.on_kind, w.on_stage, m_on)]
+                assert d == d_on and at_on < at, (w, i)
 
 
 def test_out_of_order_schedules_are_refused():
@@ -158,6 +167,66 @@ def test_each_stage_holds_what_one_f_one_b_allows(with_waits, cpu_devices, monke
         assert worst[0] <= 2 and worst[1] <= 1, worst
     else:
         assert worst[0] > 2 or worst[1] > 1, worst
+
+
+class _LoggedScale(keras.layers.Layer):
+    """``x * w`` that logs, as they run, its forward ("F", slow) and each backward half's
+    input gradient ("B") and weight gradient ("W": both come from one gradient function)."""
+
+    def __init__(self, log, **kwargs):
+        super().__init__(**kwargs)
+        self.append = log.append
+        self.supports_jit = False
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        def record(kind, pause=0.0):
+            def write(t):
+                time.sleep(pause)  # a slow forward: a W left free would run before the next B
+                with _LOCK:
+                    self.append(kind)
+                return t
+
+            return write
+
+        @tf.custom_gradient
+        def scaled(t, w):
+            y = tf.numpy_function(record("F", 0.02), [t * w], t.dtype, stateful=True)
+
+            def grad(dy):
+                dx = tf.numpy_function(record("B"), [dy * w], dy.dtype, stateful=True)
+                return dx, tf.numpy_function(record("W"), [tf.reduce_sum(dy * t)], dy.dtype, stateful=True)
+
+            return y, grad
+
+        out = scaled(x, self.w)
+        out.set_shape(x.shape)
+        return out
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_zb_h1_runs_each_weight_half_where_its_schedule_puts_it(remat, cpu_devices):
+    """Run, not read: zb-h1's last stage (K=2, M=4) runs W(m) after B(m + 1), as its
+    schedule orders it, not right after B(m): the loop runs that W an iteration later
+    (``loop_waits.weight_lags``), what it reads held until then."""
+    log: list = []
+    first, last = mlp_layers(depth=1)
+    layers = [first, keras.layers.Dense(12, activation="tanh"), _LoggedScale(log), last]
+    pm = tf_gpipe.PipelineModel(
+        layers, balance=[2, 2], num_micro_batches=4, schedule="zb-h1", remat=remat,
+        devices=cpu_devices[:2], micro_batch_loops=True,
+    )  # fmt: skip
+    pm.compile(optimizer="sgd", loss=LOSS)
+    order = schedules.get("zb-h1", 2, 4).orders[1]  # F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
+    # Each action as the log shows it: a half's B, after its replay's F when re-materialized.
+    want = "".join("F" if a.kind == "F" else ("B" if remat == "never" else "FB") for a in order)
+    x = np.random.RandomState(0).rand(8, 8).astype("float32")
+    for _ in range(2):
+        log.clear()
+        pm.train_on_batch(x, np.arange(8) % 3)
+        assert "".join(k for k in log if k != "W") == want, log
 
 
 def test_evaluate_and_predict_loop_and_match_the_built_out_forward(monkeypatch):

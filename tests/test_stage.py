@@ -45,7 +45,7 @@ def test_stage_traced_at_most_twice_and_not_per_micro_batch(schedule, stage_trac
         keras.backend.clear_session()
         pm = tf_gpipe.PipelineModel(
             _dropout_bn_layers(), num_stages=2, num_micro_batches=M, schedule=schedule,
-            micro_batch_loops=True,  # zb-h1 at M=3 would be built out by default
+            micro_batch_loops=True,
         )  # fmt: skip
         pm.compile(optimizer="sgd", loss=LOSS)
         pm.train_on_batch(x, y)

@@ -184,7 +184,7 @@ def run_schedule(
                 copy.assign(weight.read_value())
     if (
         micro_batch_loops
-        and loop_choice.chosen(micro_batch_loops, schedule)
+        and loop_choice.chosen(micro_batch_loops)
         and loop_choice.applies(
             schedule, cells, split, masks, rematerializes, sides, targets, per_micro_batch, tracer
         )

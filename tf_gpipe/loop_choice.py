@@ -23,24 +23,13 @@ from tf_gpipe.schedules import loop_waits
 __all__: list[str] = []
 
 
-def chosen(setting: bool | str, schedule: Any = None) -> bool:
-    """Whether ``PipelineModel(micro_batch_loops=setting)`` asks for the loops for ``schedule``.
+def chosen(setting: bool | str) -> bool:
+    """Whether ``PipelineModel(micro_batch_loops=setting)`` asks for the loops.
 
-    ``True`` does; ``"auto"`` too, on every kind of device, except for a schedule that
-    defers weight halves past later micro-batches (zb-h1, ``loop_waits.defers_weights``)
-    at M < 4K: there a loop lets each W take its device early, and the steady step,
-    which training pays every step, is what the first step's trace buys back (built out
-    against the loops, K=4: 1.32x faster at M=2, 1.11x at M=8, 1.03x at M=16, even at
-    M=32; benchmarks/plan/README.md). ``False`` builds every action out, one call per
-    (stage, micro-batch): a graph, and a first step, that grow with M.
+    ``"auto"`` and ``True`` do, on every kind of device; ``False`` builds every action
+    out, one call per (stage, micro-batch): a graph, and a first step, that grow with M.
     """
-    if setting is True:
-        return True
-    if setting != "auto":
-        return False
-    return schedule is None or not (
-        schedule.num_micro_batches < 4 * schedule.num_devices and loop_waits.defers_weights(schedule)
-    )
+    return setting is True or setting == "auto"
 
 
 def applies(

@@ -362,6 +362,7 @@ def emitting(
     iteration: Callable[[Counters, dict], dict],
     pack: bool = True,
     parallel: int | None = None,
+    seen: Callable[[Emitted], None] | None = None,
 ) -> tuple[Emitted, dict]:
     """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: ``m`` gives
     the micro-batch index on each of ``devices``; the iteration updates ``state`` (loop
@@ -369,7 +370,9 @@ def emitting(
     the emitted values' accumulator and the final state. ``pack``: pass the stage calls'
     variable handles through the loop packed (``tf_gpipe.handles``); a loop that a tape
     differentiates reads the variables through the handles themselves, which is what the
-    tape connects to the variables it watches. ``parallel``: as for ``run``."""
+    tape connects to the variables it watches. ``parallel``: as for ``run``. ``seen`` is
+    given the accumulator once the probe has made it, before the loop is built: what an
+    iteration reads of what earlier ones held (``state["emitted", key]``) has its layouts."""
     keys = sorted(state, key=repr)
     specs = {k: [tf.type_spec_from_value(v) for v in state[k]] for k in keys}
 
@@ -385,6 +388,8 @@ def emitting(
     with handles.collected() as captured:
         values = tf_compat.traced_unordered("probe", probe, signature).structured_outputs
     out = Emitted(meta, values, M)
+    if seen is not None:
+        seen(out)
     # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
     packed = handles.pack(captured if pack else [])
     state = {**state, **out.initial(), **Counters(devices).initial(), "handles": packed.tensors}

@@ -8,6 +8,10 @@ calls as one micro-batch needs, whatever M, each inlined (``stage.inlined``):
 
 * a schedule whose loss is per micro-batch (1F1B, interleaved, ZB-H1; any remat mode): one
   loop, ``F(m)@s0 ─► ... ─► F(m)@s_last ─► loss(m) ─► B(m)@s_last ─► ... ─► B(m)@s0``;
+  ZB-H1 runs stage s's W(m) after B(m + j) on its device: the loop runs it in iteration
+  m + j (``loop_waits.weight_lags``; the last j after the loop), what it reads held in a
+  TensorList until then, so that it fills the device's wait where the schedule puts it
+  rather than taking the device from B(m + 1) (benchmarks/plan/README.md);
 * GPipe, whose loss sees the whole mini-batch: a loop of forwards, the loss, a loop of
   backwards. What a backward needs of its forward waits in TensorLists on the stage's
   device, freed once read: a re-materialized stage's inputs, mask, side inputs and the
@@ -46,13 +50,12 @@ while the step runs).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, loop_state, ordering, replay, sparse, stage
+from tf_gpipe import loop_loss, loop_state, ordering, replay, sparse, stage
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell
 from tf_gpipe.microbatch import MicroBatch, Split
@@ -105,11 +108,18 @@ def run(
     if loss.micro_loss is None:  # GPipe's loss reads the targets itself
         loss = loss._replace(targets=None)
     halves = bool(getattr(schedule, "split_backward", False))
-    # GPipe's loop of forwards: a taped stage keeps what its backward, a loop later, reads.
+    # GPipe's loop of forwards: a taped stage keeps what its backward, a loop later, reads;
+    # so does a stage whose W a later iteration runs (``loop_waits.weight_lags``).
     stash = loss.micro_loss is None and loss.batch_loss is not None
-    stages = [PipelineStage(c, s == 0, rematerializes(s), halves, False, stash) for s, c in enumerate(cells)]
+    later = loop_waits.weight_lags(schedule) if halves and loss.micro_loss is not None else {}
+    stages = [
+        PipelineStage(c, s == 0, rematerializes(s), halves, False, stash or s in later)
+        for s, c in enumerate(cells)
+    ]
     with stage.inlined():
-        return _Step(loop_waits.waits(schedule), stages, split, masks, sides, loss, deferred).run()
+        step = _Step(loop_waits.waits(schedule, later), stages, split, masks, sides, loss, deferred)
+        step.later = later
+        return step.run()
 
 
 def forward(
@@ -133,20 +143,6 @@ def forward(
         step = _Step(waits, stages, split, masks, sides, StepLoss(), deferred, training, taped)
         outputs, out_masks, _, cell_losses, _ = step.run()
     return outputs, out_masks, cell_losses
-
-
-_TENSOR = object()  # where a recorded metric update took a tensor
-# Ops without outputs that change no state (a loss' shape checks; as before, nothing in the
-# loop body waits for them).
-_NOT_WRITES = frozenset({"Assert", "NoOp", "PrintV2"})
-
-
-def _constant_part(v: Any) -> Any:
-    return _TENSOR if tf.is_tensor(v) else v
-
-
-def _filled(tensors: Any, v: Any) -> Any:
-    return next(tensors) if v is _TENSOR else v
 
 
 class _Step:
@@ -181,6 +177,8 @@ class _Step:
         self.inputs = self._stacked(chunks, cells[0].device, self.relax)
         self.targets = self._stacked([(t,) for t in targets], cells[-1].device, self.relax)
         self.input_specs: dict[int, Any] = {}
+        self.later: dict[int, int] = {}  # stage -> j: its W(m) runs in iteration m + j
+        self.layouts: dict = {}  # of what the iterations emit, once the probe has traced one
         # A forward pass alone (``forward``: no loss), which a user's tape may differentiate.
         self.forward_only = loss.micro_loss is None and loss.batch_loss is None
         self.taped = taped
@@ -239,45 +237,84 @@ class _Step:
             if halves:
                 now["B", s] = loop_state.token(in_grads) if s > 0 else loop_state.token(go, dy)
                 w_go = self.tokens.before(state, now, "W", s)
-                _, grads = st.backward(rec, dy, loss_grads, w_go, False, True)
+                if s in self.later:
+                    grads = self._later_weights(s, rec, dy, m, n_losses, state, now, emit, w_go)
+                else:
+                    _, grads = st.backward(rec, dy, loss_grads, w_go, False, True)
             dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
             emit["grads", s] = ("sum", cell.device, dense)
-            now["W" if halves else "B", s] = loop_state.token(in_grads, grads)
+            if s not in self.later:
+                now["W" if halves else "B", s] = loop_state.token(in_grads, grads)
             for i, g in enumerate(grads):
                 if isinstance(g, tf.IndexedSlices):  # rows: kept apart per micro-batch, not summed
                     emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
         return in_grads
 
+    def _later_weights(self, s, rec, dy, m, n_losses, state, now, emit, go):
+        """Stage ``s``'s W of micro-batch ``m - j`` (``later[s]``), in iteration ``m``: what
+        its B (this iteration's, ``rec`` and ``dy``) read is held for the W j iterations
+        later; in the first j iterations there is none. Its weight gradients, dense (summed
+        in micro-batch order, as the loop sums every dense one); the last j come after the
+        loop (``_last_weights``)."""
+        cell, st, j = self.cells[s], self.stages[s], self.later[s]
+        emit["held_for_w", s] = ("held", cell.device, (st.stash(rec), list(dy)))
+        if m.probe is not None:  # a trace for the structure of what leaves the iteration
+            weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
+            grads = st.backward(rec, dy, layer_loss_grads(weight, n_losses), go, False, True)[1]
+            return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        key, at = ("emitted", ("held_for_w", s)), m.on(cell.device)
+        missing: list[bool] = []
+
+        def run():
+            grads, released = self._held_weights(s, state[key], at - j, n_losses, go)
+            missing.extend(g is None for g in grads)
+            present = [g for g in grads if g is not None]
+            return released, present, loop_state.token(present)
+
+        def none():
+            variables = cell.trainable_variables
+            zeros = [tf.zeros(v.shape, v.dtype) for v, gone in zip(variables, missing) if not gone]
+            return state[key], zeros, tf.constant(True)
+
+        state[key], present, now["W", s] = tf.cond(at >= j, run, none)
+        it = iter(present)
+        return [None if gone else next(it) for gone in missing]
+
+    def _held_weights(self, s, held, e, n_losses, go):
+        """Stage ``s``'s W of micro-batch ``e`` from what ``held`` holds of its B: its
+        weight gradients (dense) and ``held`` without that entry."""
+        st = self.stages[s]
+        values, released = self.layouts["held_for_w", s].take(held, e, self.M)
+        kept, dy = self.layouts["held_for_w", s].expand(values)
+        rec = st.unstash(kept, None, self.deferred is not None)
+        weight = None if self.loss_weights is None else self.loss_weights[e]
+        _, grads = st.backward(rec, dy, layer_loss_grads(weight, n_losses), go, False, True)
+        return [None if g is None else tf.convert_to_tensor(g) for g in grads], released
+
+    def _last_weights(self, state, n_losses):
+        """The W of each stage's last ``later[s]`` micro-batches, after the loop, each after
+        the stage's running gradient sums: in micro-batch order."""
+        for s, j in self.later.items():
+            cell, key, sums = self.cells[s], ("emitted", ("held_for_w", s)), ("emitted", ("grads", s))
+            with tf.device(cell.device), tf.name_scope(f"stage{s}_weight_grads"):
+                for e in range(self.M - j, self.M):
+                    grads, state[key] = self._held_weights(
+                        s, state[key], e, n_losses[s], [loop_state.token(state[sums])]
+                    )
+                    add = self.layouts["grads", s].compress(grads)
+                    state[sums] = [a + b for a, b in zip(state[sums], add)]
+
     def _loss(self, micro_loss, x, mask, target, emit):
-        """A micro-batch's loss gradients and terms. The metric updates it makes are handed
-        out of the loop (emitted) and made after it, in micro-batch order
-        (``_replay_metric_updates``): in the body nothing would keep or order them. Rows (a
-        weight's gradient from an override that gathers from it) are summed dense."""
+        """A micro-batch's loss gradients and terms (``loop_loss.micro_batch_loss``); the
+        metric updates it makes leave the iteration, to be made after the loop."""
         device = self.cells[-1].device
-        graph = tf.compat.v1.get_default_graph()
-        known = len(graph.get_operations())
-        with tf.device(device), tf.name_scope("loss"), keras_compat.recorded_metric_updates() as calls:
-            dy, terms = micro_loss(x, mask, target)
-        made = graph.get_operations()[known:]
-        writes = [op.name for op in made if not op.outputs and op.type not in _NOT_WRITES]
-        if writes:
-            raise ValueError(
-                f"tf_gpipe: the loss of each micro-batch changes state other than Keras metrics "
-                f"(ops {writes[:3]}), which the loops over micro-batches cannot order; pass "
-                "micro_batch_loops=False to PipelineModel."
-            )
-        self.metric_calls = [(m, tf.nest.map_structure(_constant_part, (a, k))) for m, a, k in calls]
-        tensors = [t for _, a, k in calls for t in tf.nest.flatten((a, k)) if tf.is_tensor(t)]
+        with tf.device(device), tf.name_scope("loss"):
+            dy, terms, self.metric_calls, tensors = loop_loss.micro_batch_loss(micro_loss, x, mask, target)
         emit["metric_updates",] = ("each", device, tensors)
-        terms = [tf.convert_to_tensor(t) if isinstance(t, tf.IndexedSlices) else t for t in terms]
         return dy, terms
 
     def _replay_metric_updates(self, out, state):
-        for row in out.each(state, ("metric_updates",)):
-            given = iter(row)
-            for metric, recorded in self.metric_calls:
-                args, kwargs = tf.nest.map_structure(functools.partial(_filled, given), recorded)
-                metric.update_state(*args, **kwargs)
+        loop_loss.replay_metric_updates(self.metric_calls, out.each(state, ("metric_updates",)))
 
     # ---------------------------------------------------------------------------- the step
     def run(self):
@@ -304,7 +341,11 @@ class _Step:
                 self.tokens.advance(state, now)
                 return emit
 
-            out, state = loop_state.emitting(M, devices, self.tokens.initial("FBW"), iteration)
+            def seen(out):
+                self.layouts = out.layouts
+
+            out, state = loop_state.emitting(M, devices, self.tokens.initial("FBW"), iteration, seen=seen)
+            self._last_weights(state, [len(out.layouts["losses", s].positions) for s in range(S)])
             self._replay_metric_updates(out, state)
             return self._results([(out, state)], [out.total(state, ("terms",))])
 

@@ -93,8 +93,7 @@ def build_gradient_sums(model: Any) -> None:
     them in its trace (traced twice, then)."""
     if not (model.built and model.num_micro_batches > 1):
         return
-    schedule = schedules.get(model.schedule, model.num_stages, model.num_micro_batches, model.virtual_stages)
-    loops = loop_choice.chosen(getattr(model, "micro_batch_loops", False), schedule)
+    loops = loop_choice.chosen(getattr(model, "micro_batch_loops", False))
     if getattr(model, "tracer", None) is not None or not loops:
         for cell in model.cells:
             stage.functions(cell).sums.variables(cell.trainable_variables)

@@ -12,6 +12,9 @@ waits::
         B(m) waits for B(m-1)   and its backwards
         F(m) waits for B(m-2)   at most two micro-batches in flight
 
+ZB-H1 puts stage s's W(m) after B(m + s): its loop runs that W in iteration m + s
+(``weight_lags``), and the waits count iterations, so that the W waits for that B.
+
 A wait holds for every micro-batch (the loop runs one body for all of them), so it is
 kept only where the order has it for every ``m``; a wait on a later micro-batch
 ("B0 after F1") is left to dataflow. What is kept is the part of the order that bounds
@@ -27,7 +30,7 @@ from typing import NamedTuple
 
 from tf_gpipe.schedules.schedule import Action, Schedule
 
-__all__ = ["Wait", "defers_weights", "waits"]
+__all__ = ["Wait", "waits", "weight_lags"]
 
 
 class Wait(NamedTuple):
@@ -40,23 +43,61 @@ class Wait(NamedTuple):
     lag: int
 
 
-def _holds(positions: dict[Action, tuple[int, int]], wait: Wait, num_micro_batches: int) -> bool:
-    """Whether every micro-batch's action comes after its wait's in the device's order."""
-    for m in range(wait.lag, num_micro_batches):
+def _holds(
+    positions: dict[Action, tuple[int, int]],
+    wait: Wait,
+    num_micro_batches: int,
+    later: dict[int, int] | None = None,
+) -> bool:
+    """Whether in every iteration the action comes after its wait's in the device's order.
+    Iteration ``i`` runs W of micro-batch ``i - later[stage]`` (``weight_lags``), every other
+    action of micro-batch ``i``; an iteration without one of the two holds trivially."""
+    later = later or {}
+
+    def micro_batch(kind: str, stage: int, i: int) -> int:
+        return i - (later.get(stage, 0) if kind == "W" else 0)
+
+    for i in range(num_micro_batches):
+        m, m_on = (
+            micro_batch(wait.kind, wait.stage, i),
+            micro_batch(wait.on_kind, wait.on_stage, i - wait.lag),
+        )
+        if not (0 <= m < num_micro_batches and 0 <= m_on < num_micro_batches):
+            continue
         a = positions.get(Action(wait.kind, wait.stage, m))
-        p = positions.get(Action(wait.on_kind, wait.on_stage, m - wait.lag))
+        p = positions.get(Action(wait.on_kind, wait.on_stage, m_on))
         if a is None or p is None or a[0] != p[0] or p[1] >= a[1]:
             return False
     return True
 
 
-def waits(schedule: Schedule) -> list[Wait]:
-    """The waits across micro-batches that ``schedule``'s device orders keep in a loop.
+def weight_lags(schedule: Schedule) -> dict[int, int]:
+    """For each stage whose W(m) its device runs after B(m + j) (zb-h1: j = the stage's
+    position, K - 1 for the last): j, the most over every m. A loop runs that W in
+    iteration m + j, after that B, so that it fills the device's wait as the schedule
+    places it; what it reads waits in a TensorList until then (``micro_batch_loop``)."""
+    found: dict[int, int] = {}
+    for order in schedule.orders:
+        for i, a in enumerate(order):
+            if a.kind == "W":
+                ahead = max(
+                    (b.micro_batch for b in order[:i] if b.kind == "B" and b.stage == a.stage), default=-1
+                )
+                if ahead > a.micro_batch:
+                    found[a.stage] = max(found.get(a.stage, 0), ahead - a.micro_batch)
+    return found
+
+
+def waits(schedule: Schedule, later: dict[int, int] | None = None) -> list[Wait]:
+    """The waits across micro-batches that ``schedule``'s device orders keep in a loop;
+    with ``later`` (``weight_lags``), lags count iterations, W(m) running in iteration
+    ``m + later[stage]``.
 
     Raises:
       ValueError: when a stage's actions of one kind are not in micro-batch order (no
         loop over micro-batches runs such a schedule exactly).
     """
+    later = later or {}
     M = schedule.num_micro_batches
     positions = {a: (d, i) for d, order in enumerate(schedule.orders) for i, a in enumerate(order)}
     found: list[Wait] = []
@@ -69,32 +110,22 @@ def waits(schedule: Schedule) -> list[Wait]:
                     "micro-batch order; a loop over micro-batches cannot run it."
                 )
             found.append(chain)
-    # Each action after the one before it on its device, where that one is of the same or
-    # an earlier micro-batch; the smallest lag that holds for every micro-batch.
+
+    def iteration(a: Action) -> int:
+        return a.micro_batch + (later.get(a.stage, 0) if a.kind == "W" else 0)
+
+    # Each action after the one before it on its device, where that one runs in the same or
+    # an earlier iteration; the smallest lag that holds for every iteration.
     lags: dict[tuple[str, int, str, int], int] = {}
     for order in schedule.orders:
         for before, action in itertools.pairwise(order):
-            lag = action.micro_batch - before.micro_batch
+            lag = iteration(action) - iteration(before)
             key = (action.kind, action.stage, before.kind, before.stage)
             if lag >= 0 and key[:2] != key[2:]:
                 lags[key] = max(lags.get(key, 0), lag)
     for (kind, s, on_kind, on_s), lag in sorted(lags.items()):
-        while lag < M and not _holds(positions, Wait(kind, s, on_kind, on_s, lag), M):
+        while lag < M and not _holds(positions, Wait(kind, s, on_kind, on_s, lag), M, later):
             lag += 1
         if lag < M:
             found.append(Wait(kind, s, on_kind, on_s, lag))
     return found
-
-
-def defers_weights(schedule: Schedule) -> bool:
-    """Whether a device runs a weight half W(m) after an action of a later micro-batch
-    (zb-h1: W(m) after B(m + 1)). A loop iteration holds W(m) to nothing later than its own
-    micro-batch, so in a loop W(m) may take the device while the schedule's next action
-    waits: what the deferral of W was for (benchmarks/plan/README.md)."""
-    for order in schedule.orders:
-        latest = -1
-        for a in order:
-            if a.kind == "W" and latest > a.micro_batch:
-                return True
-            latest = max(latest, a.micro_batch)
-    return False
