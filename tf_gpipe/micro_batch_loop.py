@@ -241,6 +241,8 @@ class _Step:
                     grads = self._later_weights(s, rec, dy, m, n_losses, state, now, emit, w_go)
                 else:
                     _, grads = st.backward(rec, dy, loss_grads, w_go, False, True)
+            if grads is None:  # added to the sums already (``_later_weights``)
+                return in_grads
             dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
             emit["grads", s] = ("sum", cell.device, dense)
             if s not in self.later:
@@ -253,32 +255,29 @@ class _Step:
     def _later_weights(self, s, rec, dy, m, n_losses, state, now, emit, go):
         """Stage ``s``'s W of micro-batch ``m - j`` (``later[s]``), in iteration ``m``: what
         its B (this iteration's, ``rec`` and ``dy``) read is held for the W j iterations
-        later; in the first j iterations there is none. Its weight gradients, dense (summed
-        in micro-batch order, as the loop sums every dense one); the last j come after the
-        loop (``_last_weights``)."""
+        later; in the first j iterations there is none. Its weight gradients, dense, are
+        added to the stage's running sums in micro-batch order; the last j after the loop
+        (``_last_weights``). Returns them in the trace that learns what leaves an iteration,
+        else None."""
         cell, st, j = self.cells[s], self.stages[s], self.later[s]
         emit["held_for_w", s] = ("held", cell.device, (st.stash(rec), list(dy)))
         if m.probe is not None:  # a trace for the structure of what leaves the iteration
             weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
             grads = st.backward(rec, dy, layer_loss_grads(weight, n_losses), go, False, True)[1]
             return [None if g is None else tf.convert_to_tensor(g) for g in grads]
-        key, at = ("emitted", ("held_for_w", s)), m.on(cell.device)
-        missing: list[bool] = []
+        key, sums, at = ("emitted", ("held_for_w", s)), ("emitted", ("grads", s)), m.on(cell.device)
 
+        # Added to the running sums here, not emitted: a branch of zeros for the first j
+        # iterations would be constants the step function holds as long as it lives.
         def run():
             grads, released = self._held_weights(s, state[key], at - j, n_losses, go)
-            missing.extend(g is None for g in grads)
-            present = [g for g in grads if g is not None]
-            return released, present, loop_state.token(present)
+            added = [a + b for a, b in zip(state[sums], self.layouts["grads", s].compress(grads))]
+            return released, added, loop_state.token(added)
 
-        def none():
-            variables = cell.trainable_variables
-            zeros = [tf.zeros(v.shape, v.dtype) for v, gone in zip(variables, missing) if not gone]
-            return state[key], zeros, tf.constant(True)
-
-        state[key], present, now["W", s] = tf.cond(at >= j, run, none)
-        it = iter(present)
-        return [None if gone else next(it) for gone in missing]
+        state[key], state[sums], now["W", s] = tf.cond(
+            at >= j, run, lambda: (state[key], state[sums], tf.constant(True))
+        )
+        return None
 
     def _held_weights(self, s, held, e, n_losses, go):
         """Stage ``s``'s W of micro-batch ``e`` from what ``held`` holds of its B: its
