@@ -194,10 +194,8 @@ def split_graph(model: keras.Model, balance: Sequence[int], name: str = "stage")
 
 
 def node_stages(model: keras.Model) -> list[GraphStage]:
-    """Each node of ``model`` as a stage of its own: what ``tf_gpipe.plan`` profiles, so that a
-    balance over them is one ``from_model`` cuts by."""
-    if isinstance(model, keras.Sequential):
-        model = keras_compat.sequential_functional(model) or model
+    """Each node of the functional ``model`` as a stage of its own: what ``tf_gpipe.plan``
+    profiles, so that a balance over them is one ``from_model`` cuts by."""
     return split_graph(model, [1] * len(graph_nodes(model)), name=f"{model.name}_node")
 
 

@@ -8,10 +8,9 @@ calls as one micro-batch needs, whatever M, each inlined (``stage.inlined``):
 
 * a schedule whose loss is per micro-batch (1F1B, interleaved, ZB-H1; any remat mode): one
   loop, ``F(m)@s0 ─► ... ─► F(m)@s_last ─► loss(m) ─► B(m)@s_last ─► ... ─► B(m)@s0``;
-  ZB-H1 runs stage s's W(m) after B(m + j) on its device: the loop runs it in iteration
-  m + j (``loop_waits.weight_lags``; the last j after the loop), what it reads held in a
-  TensorList until then, so that it fills the device's wait where the schedule puts it
-  rather than taking the device from B(m + 1) (benchmarks/plan/README.md);
+  ZB-H1 runs stage s's W(m) after B(m + j): the loop runs it in iteration m + j
+  (``loop_waits.weight_lags``; the last j after the loop), what it reads held until then,
+  where it would otherwise take the device from B(m + 1) (benchmarks/plan/README.md);
 * GPipe, whose loss sees the whole mini-batch: a loop of forwards, the loss, a loop of
   backwards. What a backward needs of its forward waits in TensorLists on the stage's
   device, freed once read: a re-materialized stage's inputs, mask, side inputs and the
@@ -117,9 +116,9 @@ def run(
         for s, c in enumerate(cells)
     ]
     with stage.inlined():
-        step = _Step(loop_waits.waits(schedule, later), stages, split, masks, sides, loss, deferred)
-        step.later = later
-        return step.run()
+        return _Step(
+            loop_waits.waits(schedule, later), stages, split, masks, sides, loss, deferred, later=later
+        ).run()
 
 
 def forward(
@@ -145,11 +144,18 @@ def forward(
     return outputs, out_masks, cell_losses
 
 
+def _dense(grads: list[Any]) -> list[Any]:
+    """Weight gradients, rows made dense: a W run in a later iteration adds them to the sums."""
+    return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+
 class _Step:
     """One step's loops over ``stages`` (``PipelineStage``s of one schedule), each stage's
     actions in the order ``waits`` keeps."""
 
-    def __init__(self, waits, stages, split, masks, sides, loss, deferred, training=True, taped=False):
+    def __init__(
+        self, waits, stages, split, masks, sides, loss, deferred, training=True, taped=False, later=None
+    ):
         self.stages, self.cells, self.M = stages, [st.cell for st in stages], len(split)
         self.deferred = deferred
         self.halves, self.training, self.loss = stages[0].halves, training, loss
@@ -177,7 +183,7 @@ class _Step:
         self.inputs = self._stacked(chunks, cells[0].device, self.relax)
         self.targets = self._stacked([(t,) for t in targets], cells[-1].device, self.relax)
         self.input_specs: dict[int, Any] = {}
-        self.later: dict[int, int] = {}  # stage -> j: its W(m) runs in iteration m + j
+        self.later: dict[int, int] = later or {}  # stage -> j: its W(m) runs in iteration m + j
         self.layouts: dict = {}  # of what the iterations emit, once the probe has traced one
         # A forward pass alone (``forward``: no loss), which a user's tape may differentiate.
         self.forward_only = loss.micro_loss is None and loss.batch_loss is None
@@ -225,8 +231,7 @@ class _Step:
         loop variables, each addition after the previous micro-batch's by dataflow. A padded
         micro-batch's gradients are zeros (its loss and its layers' losses weigh nothing)."""
         cell, st = self.cells[s], self.stages[s]
-        weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
-        loss_grads = layer_loss_grads(weight, n_losses)
+        loss_grads = self._loss_grads(m.on(cell.device), n_losses)
         halves = self.halves
         rec = dataclasses.replace(rec, nonempty=None)  # nothing to mask (a select per gradient)
         with tf.device(cell.device), tf.name_scope(f"stage{s}_backward"):
@@ -245,8 +250,7 @@ class _Step:
                 return in_grads
             dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
             emit["grads", s] = ("sum", cell.device, dense)
-            if s not in self.later:
-                now["W" if halves else "B", s] = loop_state.token(in_grads, grads)
+            now["W" if halves else "B", s] = loop_state.token(in_grads, grads)
             for i, g in enumerate(grads):
                 if isinstance(g, tf.IndexedSlices):  # rows: kept apart per micro-batch, not summed
                     emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
@@ -262,9 +266,8 @@ class _Step:
         cell, st, j = self.cells[s], self.stages[s], self.later[s]
         emit["held_for_w", s] = ("held", cell.device, (st.stash(rec), list(dy)))
         if m.probe is not None:  # a trace for the structure of what leaves the iteration
-            weight = None if self.loss_weights is None else self.loss_weights[m.on(cell.device)]
-            grads = st.backward(rec, dy, layer_loss_grads(weight, n_losses), go, False, True)[1]
-            return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+            grads = st.backward(rec, dy, self._loss_grads(m.on(cell.device), n_losses), go, False, True)[1]
+            return _dense(grads)
         key, sums, at = ("emitted", ("held_for_w", s)), ("emitted", ("grads", s)), m.on(cell.device)
 
         # Added to the running sums here, not emitted: a branch of zeros for the first j
@@ -286,9 +289,12 @@ class _Step:
         values, released = self.layouts["held_for_w", s].take(held, e, self.M)
         kept, dy = self.layouts["held_for_w", s].expand(values)
         rec = st.unstash(kept, None, self.deferred is not None)
-        weight = None if self.loss_weights is None else self.loss_weights[e]
-        _, grads = st.backward(rec, dy, layer_loss_grads(weight, n_losses), go, False, True)
-        return [None if g is None else tf.convert_to_tensor(g) for g in grads], released
+        _, grads = st.backward(rec, dy, self._loss_grads(e, n_losses), go, False, True)
+        return _dense(grads), released
+
+    def _loss_grads(self, m, n_losses):
+        """What each of the ``n_losses`` losses a stage's layers added in ``m`` receives."""
+        return layer_loss_grads(None if self.loss_weights is None else self.loss_weights[m], n_losses)
 
     def _last_weights(self, state, n_losses):
         """The W of each stage's last ``later[s]`` micro-batches, after the loop, each after

@@ -121,7 +121,7 @@ class Plan:
         """``PipelineModel.from_model``'s ``(num_stages, balance, virtual_stages)`` with this
         plan's settings (its balance counts the model's nodes); the others it sets go into
         ``kwargs``, the rest of ``from_model``'s arguments."""
-        others = ("num_micro_batches", "devices", "remat", "schedule")
+        others = [k for k in SETTINGS if k not in ("num_stages", "balance", "virtual_stages")]
         given = {k: kwargs.pop(k) for k in others if k in kwargs}
         found = self.resolve(
             True, num_stages=num_stages, balance=balance, virtual_stages=virtual_stages, **given

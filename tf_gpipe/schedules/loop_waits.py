@@ -52,16 +52,9 @@ def _holds(
     """Whether in every iteration the action comes after its wait's in the device's order.
     Iteration ``i`` runs W of micro-batch ``i - later[stage]`` (``weight_lags``), every other
     action of micro-batch ``i``; an iteration without one of the two holds trivially."""
-    later = later or {}
-
-    def micro_batch(kind: str, stage: int, i: int) -> int:
-        return i - (later.get(stage, 0) if kind == "W" else 0)
-
     for i in range(num_micro_batches):
-        m, m_on = (
-            micro_batch(wait.kind, wait.stage, i),
-            micro_batch(wait.on_kind, wait.on_stage, i - wait.lag),
-        )
+        m = i - _later(wait.kind, wait.stage, later)
+        m_on = i - wait.lag - _later(wait.on_kind, wait.on_stage, later)
         if not (0 <= m < num_micro_batches and 0 <= m_on < num_micro_batches):
             continue
         a = positions.get(Action(wait.kind, wait.stage, m))
@@ -71,6 +64,11 @@ def _holds(
     return True
 
 
+def _later(kind: str, stage: int, later: dict[int, int] | None) -> int:
+    """How many iterations after its micro-batch's a loop runs this action (``weight_lags``)."""
+    return (later or {}).get(stage, 0) if kind == "W" else 0
+
+
 def weight_lags(schedule: Schedule) -> dict[int, int]:
     """For each stage whose W(m) its device runs after B(m + j) (zb-h1: j = the stage's
     position, K - 1 for the last): j, the most over every m. A loop runs that W in
@@ -78,13 +76,12 @@ def weight_lags(schedule: Schedule) -> dict[int, int]:
     places it; what it reads waits in a TensorList until then (``micro_batch_loop``)."""
     found: dict[int, int] = {}
     for order in schedule.orders:
-        for i, a in enumerate(order):
-            if a.kind == "W":
-                ahead = max(
-                    (b.micro_batch for b in order[:i] if b.kind == "B" and b.stage == a.stage), default=-1
-                )
-                if ahead > a.micro_batch:
-                    found[a.stage] = max(found.get(a.stage, 0), ahead - a.micro_batch)
+        latest_b: dict[int, int] = {}  # stage -> the latest micro-batch whose B ran so far
+        for a in order:
+            if a.kind == "B":
+                latest_b[a.stage] = max(latest_b.get(a.stage, -1), a.micro_batch)
+            elif a.kind == "W" and latest_b.get(a.stage, -1) > a.micro_batch:
+                found[a.stage] = max(found.get(a.stage, 0), latest_b[a.stage] - a.micro_batch)
     return found
 
 
@@ -97,7 +94,6 @@ def waits(schedule: Schedule, later: dict[int, int] | None = None) -> list[Wait]
       ValueError: when a stage's actions of one kind are not in micro-batch order (no
         loop over micro-batches runs such a schedule exactly).
     """
-    later = later or {}
     M = schedule.num_micro_batches
     positions = {a: (d, i) for d, order in enumerate(schedule.orders) for i, a in enumerate(order)}
     found: list[Wait] = []
@@ -112,7 +108,7 @@ def waits(schedule: Schedule, later: dict[int, int] | None = None) -> list[Wait]
             found.append(chain)
 
     def iteration(a: Action) -> int:
-        return a.micro_batch + (later.get(a.stage, 0) if a.kind == "W" else 0)
+        return a.micro_batch + _later(a.kind, a.stage, later)
 
     # Each action after the one before it on its device, where that one runs in the same or
     # an earlier iteration; the smallest lag that holds for every iteration.
