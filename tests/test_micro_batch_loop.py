@@ -15,7 +15,7 @@ from helpers import TRAINED_TOL, assert_all_close, mlp_layers, partition_graphs,
 from test_loop import _token_data, _token_layers
 
 import tf_gpipe
-from tf_gpipe import keras_compat, loop_state, micro_batch_loop, schedules, stash
+from tf_gpipe import keras_compat, loop_state, micro_batch_loop, schedules, stash, trainer
 from tf_gpipe.schedules.loop_waits import Wait, waits, weight_lags
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -227,6 +227,67 @@ def test_zb_h1_runs_each_weight_half_where_its_schedule_puts_it(remat, cpu_devic
         log.clear()
         pm.train_on_batch(x, np.arange(8) % 3)
         assert "".join(k for k in log if k != "W") == want, log
+
+
+def _call_sites(graph_def: tf.compat.v1.GraphDef, word: str) -> int:
+    """Function calls in a step's graph whose function's name has ``word``, counted through
+    the bodies of the loops and conditionals that run them."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    found = 0
+
+    def visit(nodes):
+        nonlocal found
+        for node in nodes:
+            for key in ("f", "body", "then_branch", "else_branch"):
+                if key in node.attr and node.attr[key].func.name:
+                    name = node.attr[key].func.name
+                    found += key == "f" and word in name
+                    if name in library:
+                        visit(library[name].node_def)
+
+    visit(graph_def.node)
+    return found
+
+
+@pytest.mark.parametrize("M", [3, 6])
+def test_zb_h1_runs_each_weight_half_from_one_place_in_the_step(M, cpu_devices):
+    """zb-h1 as a loop (K=3) calls each stage's backward from one place whatever M: its B
+    and its W, which the loop runs j iterations after the B (``weight_lags``), the last
+    ones in iterations of their own that skip every forward and B; not once more per W
+    after the loop (each a copy TensorFlow optimizes: 2-3 s of a K=4 first step)."""
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=4), num_stages=3, num_micro_batches=M, schedule="zb-h1",
+        devices=cpu_devices[:3], micro_batch_loops=True,
+    )  # fmt: skip
+    pm.compile(optimizer="sgd", loss=LOSS)
+    x = tf.constant(np.random.RandomState(0).rand(2 * M + 1, 8).astype("float32"))
+    y = tf.constant(np.arange(2 * M + 1) % 3)
+    step = tf.function(lambda x, y: trainer.gradients(pm, (x, y)).grads, autograph=False)
+    graph_def = step.get_concrete_function(x, y).graph.as_graph_def()
+    # Stage 0 runs no B (its input takes no gradient): three W's and two B's.
+    assert _call_sites(graph_def, "_backward_body") == 5
+
+
+def test_zb_h1_skips_its_last_iterations_on_each_stages_device(cpu_devices):
+    """Where zb-h1's loop skips a micro-batch's work (its last iterations, for the last W's),
+    each stage's Switch and Merge nodes run on that stage's device, read from the
+    partition graphs that ran: a ``tf.cond`` over the iteration lowers to Merges on one
+    device, through which every stage's results would cross in every iteration."""
+    devices = cpu_devices[1:4]
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=4), num_stages=3, num_micro_batches=4, schedule="zb-h1", devices=devices,
+        micro_batch_loops=True,
+    )  # fmt: skip
+    pm.compile(optimizer="sgd", loss=LOSS)
+    x = np.random.RandomState(0).rand(11, 8).astype("float32")
+    graphs = partition_graphs(lambda: pm.train_on_batch(x, np.arange(11) % 3))
+    where = collections.defaultdict(set)
+    for g in graphs:
+        for n in g.node:
+            if "guard" in n.name and n.op in ("Switch", "Merge"):
+                where[n.op].add(n.device)
+    for op in ("Switch", "Merge"):
+        assert len(where[op]) == 3 and all(any(same_device(d, s) for s in devices) for d in where[op]), where
 
 
 def test_evaluate_and_predict_loop_and_match_the_built_out_forward(monkeypatch):

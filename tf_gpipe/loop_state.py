@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import batchnorm, handles, ordering, tf_compat
+from tf_gpipe import batchnorm, handles, loop_guard, ordering, tf_compat
 from tf_gpipe.cell import Cell
 from tf_gpipe.schedules import loop_waits
 
@@ -363,6 +363,7 @@ def emitting(
     pack: bool = True,
     parallel: int | None = None,
     seen: Callable[[Emitted], None] | None = None,
+    rest: tuple[int, Callable[[Counters, dict], None]] | None = None,
 ) -> tuple[Emitted, dict]:
     """Run ``iteration(m, state)`` for m in range(M) as one ``tf.while_loop``: ``m`` gives
     the micro-batch index on each of ``devices``; the iteration updates ``state`` (loop
@@ -372,15 +373,25 @@ def emitting(
     differentiates reads the variables through the handles themselves, which is what the
     tape connects to the variables it watches. ``parallel``: as for ``run``. ``seen`` is
     given the accumulator once the probe has made it, before the loop is built: what an
-    iteration reads of what earlier ones held (``state["emitted", key]``) has its layouts."""
+    iteration reads of what earlier ones held (``state["emitted", key]``) has its layouts.
+
+    ``rest = (n, after)``: the loop runs ``n`` iterations more, which skip ``iteration``
+    (``loop_guard``), and ``after(m, state)`` at the end of every iteration. What
+    ``iteration`` adds to ``state`` (keys it did not have) reaches ``after``, zeros where
+    skipped, and leaves the state once ``after`` has run. So an action run ``n`` iterations
+    after its micro-batch's (ZB-H1's deferred W) keeps one place in the graph: the loop's
+    last iterations run the last ones, not copies of it after the loop."""
     keys = sorted(state, key=repr)
     specs = {k: [tf.type_spec_from_value(v) for v in state[k]] for k in keys}
 
     meta: dict = {}
+    added: dict = {}  # what the iteration adds to the state: its specs
 
     def probe(m, *flat):
         it = iter(flat)
-        got = iteration(Counters(devices, probe=m), {k: [next(it) for _ in specs[k]] for k in keys})
+        local = {k: [next(it) for _ in specs[k]] for k in keys}
+        got = iteration(Counters(devices, probe=m), local)
+        added.update({k: [_spec(v) for v in local[k]] for k in local if k not in specs})
         meta.update({k: (how, device) for k, (how, device, _) in got.items()})
         return {k: value for k, (_, _, value) in got.items()}
 
@@ -393,12 +404,23 @@ def emitting(
     # The stage calls' variable handles cross the loop as one stacked tensor per CPU device.
     packed = handles.pack(captured if pack else [])
     state = {**state, **out.initial(), **Counters(devices).initial(), "handles": packed.tensors}
+    extra, after = rest if rest is not None else (0, None)
 
     def body(_: tf.Tensor) -> None:
         m = Counters(devices, state)
         with handles.replaced(handles.unpack(packed, state["handles"])):
-            out.add(state, m, iteration(m, state))
+            if not extra:
+                out.add(state, m, iteration(m, state))
+            else:
+                changed = [("emitted", k) for k in out.layouts]
+                loop_guard.run_below(
+                    M, m, state, changed, added, lambda local: out.add(local, m, iteration(m, local))
+                )
+                assert after is not None
+                after(m, state)
+                for k in added:
+                    del state[k]
         m.advance()
 
-    run(state, M, body, parallel)
+    run(state, M + extra, body, parallel)
     return out, state

@@ -9,8 +9,9 @@ calls as one micro-batch needs, whatever M, each inlined (``stage.inlined``):
 * a schedule whose loss is per micro-batch (1F1B, interleaved, ZB-H1; any remat mode): one
   loop, ``F(m)@s0 ─► ... ─► F(m)@s_last ─► loss(m) ─► B(m)@s_last ─► ... ─► B(m)@s0``;
   ZB-H1 runs stage s's W(m) after B(m + j): the loop runs it in iteration m + j
-  (``loop_waits.weight_lags``; the last j after the loop), what it reads held until then,
-  where it would otherwise take the device from B(m + 1) (benchmarks/plan/README.md);
+  (``loop_waits.weight_lags``; the last ones in iterations that skip the rest,
+  ``loop_guard``), what it reads held until then, where it would otherwise take the
+  device from B(m + 1) (benchmarks/plan/README.md);
 * GPipe, whose loss sees the whole mini-batch: a loop of forwards, the loss, a loop of
   backwards. What a backward needs of its forward waits in TensorLists on the stage's
   device, freed once read: a re-materialized stage's inputs, mask, side inputs and the
@@ -156,10 +157,9 @@ class _Step:
     def __init__(
         self, waits, stages, split, masks, sides, loss, deferred, training=True, taped=False, later=None
     ):
-        self.stages, self.cells, self.M = stages, [st.cell for st in stages], len(split)
-        self.deferred = deferred
+        self.stages, self.M, self.deferred, self.taped = stages, len(split), deferred, taped
         self.halves, self.training, self.loss = stages[0].halves, training, loss
-        cells = self.cells
+        self.cells = cells = [st.cell for st in stages]
         self.tokens = loop_state.Tokens(waits, cells)
         # Micro-batches of one known shape keep it (static shapes trace and run leaner); of
         # several, or unknown, they share a leading dimension of unknown size.
@@ -171,9 +171,9 @@ class _Step:
         sides = list(sides) if sides is not None else [None] * M
         targets = list(loss.targets) if loss.targets is not None else [None] * M
         flags = [split.nonempty(m) for m in range(M)]
-        self.nonempty_all = None
-        if split.padded:
-            self.nonempty_all = tf.stack([tf.constant(True) if f is None else f for f in flags])
+        self.nonempty_all = (
+            tf.stack([tf.constant(True) if f is None else f for f in flags]) if split.padded else None
+        )
         grads = loss.layer_loss_grads
         self.loss_weights = None if grads is None else tf.stack(list(grads))
         # Each micro-batch's inputs wait on the first stage's device, its targets on the
@@ -187,7 +187,6 @@ class _Step:
         self.layouts: dict = {}  # of what the iterations emit, once the probe has traced one
         # A forward pass alone (``forward``: no loss), which a user's tape may differentiate.
         self.forward_only = loss.micro_loss is None and loss.batch_loss is None
-        self.taped = taped
 
     def _stacked(self, values: list[Any], device: str, relax: bool) -> tuple[loop_state.Layout, list, str]:
         layout = loop_state.Layout(values[0], relax)
@@ -242,12 +241,10 @@ class _Step:
             if halves:
                 now["B", s] = loop_state.token(in_grads) if s > 0 else loop_state.token(go, dy)
                 w_go = self.tokens.before(state, now, "W", s)
-                if s in self.later:
-                    grads = self._later_weights(s, rec, dy, m, n_losses, state, now, emit, w_go)
-                else:
-                    _, grads = st.backward(rec, dy, loss_grads, w_go, False, True)
-            if grads is None:  # added to the sums already (``_later_weights``)
-                return in_grads
+                if s in self.later:  # its W runs in a later iteration (``_weights_later``)
+                    self._later_weights(s, rec, dy, m, n_losses, emit, w_go)
+                    return in_grads
+                _, grads = st.backward(rec, dy, loss_grads, w_go, False, True)
             dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
             emit["grads", s] = ("sum", cell.device, dense)
             now["W" if halves else "B", s] = loop_state.token(in_grads, grads)
@@ -256,58 +253,49 @@ class _Step:
                     emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
         return in_grads
 
-    def _later_weights(self, s, rec, dy, m, n_losses, state, now, emit, go):
-        """Stage ``s``'s W of micro-batch ``m - j`` (``later[s]``), in iteration ``m``: what
-        its B (this iteration's, ``rec`` and ``dy``) read is held for the W j iterations
-        later; in the first j iterations there is none. Its weight gradients, dense, are
-        added to the stage's running sums in micro-batch order; the last j after the loop
-        (``_last_weights``). Returns them in the trace that learns what leaves an iteration,
-        else None."""
-        cell, st, j = self.cells[s], self.stages[s], self.later[s]
-        emit["held_for_w", s] = ("held", cell.device, (st.stash(rec), list(dy)))
-        if m.probe is not None:  # a trace for the structure of what leaves the iteration
-            grads = st.backward(rec, dy, self._loss_grads(m.on(cell.device), n_losses), go, False, True)[1]
-            return _dense(grads)
-        key, sums, at = ("emitted", ("held_for_w", s)), ("emitted", ("grads", s)), m.on(cell.device)
+    def _later_weights(self, s, rec, dy, m, n_losses, emit, go):
+        """What stage ``s``'s W of micro-batch ``m`` reads of its B (``rec``, ``dy``), held
+        for ``_weights_later``; in the probe, the W too: the structure of its sums."""
+        st, device = self.stages[s], self.cells[s].device
+        emit["held_for_w", s] = ("held", device, (st.stash(rec), list(dy)))
+        if m.probe is not None:
+            grads = st.backward(rec, dy, self._loss_grads(m.on(device), n_losses), go, False, True)[1]
+            emit["grads", s] = ("sum", device, _dense(grads))
 
-        # Added to the running sums here, not emitted: a branch of zeros for the first j
-        # iterations would be constants the step function holds as long as it lives.
+    def _weights_later(self, m, state):
+        """At the end of iteration ``i``, stage ``s``'s W of micro-batch ``i - later[s]``
+        where there is one, from what ``_later_weights`` held: its weight gradients, dense,
+        added to the stage's running sums in micro-batch order. Then the tokens move on."""
+        now = {k[1:]: state[k][0] for k in state if k[0] == "now"}
+        for s, j in self.later.items():
+            device = self.cells[s].device
+            with tf.device(device), tf.name_scope(f"stage{s}_weight_grads"):
+                go = self.tokens.before(state, now, "W", s)
+                now["W", s] = self._weight_later(s, m.on(device) - j, state, go)
+        self.tokens.advance(state, now)
+
+    def _weight_later(self, s, e, state, go):
+        """Stage ``s``'s W of micro-batch ``e``, if there is one; its token."""
+        st, layout, n_losses = self.stages[s], self.layouts["held_for_w", s], self.layouts["losses", s]
+        key, sums = ("emitted", ("held_for_w", s)), ("emitted", ("grads", s))
+
+        # Added to the running sums here: a branch of zeros where there is no W would be
+        # constants the step function holds as long as it lives.
         def run():
-            grads, released = self._held_weights(s, state[key], at - j, n_losses, go)
-            added = [a + b for a, b in zip(state[sums], self.layouts["grads", s].compress(grads))]
+            values, released = layout.take(state[key], e, self.M)
+            kept, dy = layout.expand(values)
+            rec = st.unstash(kept, None, self.deferred is not None)
+            grads = st.backward(rec, dy, self._loss_grads(e, len(n_losses.positions)), go, False, True)[1]
+            added = [a + b for a, b in zip(state[sums], self.layouts["grads", s].compress(_dense(grads)))]
             return released, added, loop_state.token(added)
 
-        state[key], state[sums], now["W", s] = tf.cond(
-            at >= j, run, lambda: (state[key], state[sums], tf.constant(True))
-        )
-        return None
-
-    def _held_weights(self, s, held, e, n_losses, go):
-        """Stage ``s``'s W of micro-batch ``e`` from what ``held`` holds of its B: its
-        weight gradients (dense) and ``held`` without that entry."""
-        st = self.stages[s]
-        values, released = self.layouts["held_for_w", s].take(held, e, self.M)
-        kept, dy = self.layouts["held_for_w", s].expand(values)
-        rec = st.unstash(kept, None, self.deferred is not None)
-        _, grads = st.backward(rec, dy, self._loss_grads(e, n_losses), go, False, True)
-        return _dense(grads), released
+        skip = (state[key], state[sums], tf.constant(True))
+        state[key], state[sums], token = tf.cond(tf.logical_and(e >= 0, e < self.M), run, lambda: skip)
+        return token
 
     def _loss_grads(self, m, n_losses):
         """What each of the ``n_losses`` losses a stage's layers added in ``m`` receives."""
         return layer_loss_grads(None if self.loss_weights is None else self.loss_weights[m], n_losses)
-
-    def _last_weights(self, state, n_losses):
-        """The W of each stage's last ``later[s]`` micro-batches, after the loop, each after
-        the stage's running gradient sums: in micro-batch order."""
-        for s, j in self.later.items():
-            cell, key, sums = self.cells[s], ("emitted", ("held_for_w", s)), ("emitted", ("grads", s))
-            with tf.device(cell.device), tf.name_scope(f"stage{s}_weight_grads"):
-                for e in range(self.M - j, self.M):
-                    grads, state[key] = self._held_weights(
-                        s, state[key], e, n_losses[s], [loop_state.token(state[sums])]
-                    )
-                    add = self.layouts["grads", s].compress(grads)
-                    state[sums] = [a + b for a, b in zip(state[sums], add)]
 
     def _loss(self, micro_loss, x, mask, target, emit):
         """A micro-batch's loss gradients and terms (``loop_loss.micro_batch_loss``); the
@@ -343,14 +331,19 @@ class _Step:
                 emit["terms",] = ("sum", cells[-1].device, terms)
                 for s in reversed(range(S)):
                     dy = self.backward(s, records[s], dy, m, len(records[s].losses), state, now, emit)
-                self.tokens.advance(state, now)
+                if self.later:  # their tokens move on after the deferred W's (``_weights_later``)
+                    state.update({("now", *k): [v] for k, v in now.items()})
+                else:
+                    self.tokens.advance(state, now)
                 return emit
 
             def seen(out):
                 self.layouts = out.layouts
 
-            out, state = loop_state.emitting(M, devices, self.tokens.initial("FBW"), iteration, seen=seen)
-            self._last_weights(state, [len(out.layouts["losses", s].positions) for s in range(S)])
+            rest = (max(self.later.values()), self._weights_later) if self.later else None
+            out, state = loop_state.emitting(
+                M, devices, self.tokens.initial("FBW"), iteration, seen=seen, rest=rest
+            )
             self._replay_metric_updates(out, state)
             return self._results([(out, state)], [out.total(state, ("terms",))])
 

@@ -201,6 +201,19 @@ def update_input(op: Any, index: int, tensor: Any) -> None:
     method(index, tensor)
 
 
+def add_control_input(op: Any, control: Any) -> None:
+    """Make ``op`` wait for ``control`` (an op), after ``op`` was made.
+
+    ``loop_state`` makes the ops of a loop iteration it skips wait for a pivot that is
+    dead there, which TensorFlow's dataflow passes on to every op after them. Uses
+    ``Operation._add_control_input``.
+    """
+    method = getattr(op, "_add_control_input", None)
+    if method is None:
+        raise _gone("Operation._add_control_input", "skip a loop iteration's work past the last micro-batch")
+    method(control)
+
+
 def forward_backward(concrete: Any) -> tuple[Any, Any, int]:
     """A traced function split in two: ``(forward, backward, n)``.
 
