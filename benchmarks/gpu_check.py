@@ -28,7 +28,8 @@ Checks, in this order (the suite first: it says most, and a lease may end mid-wa
   step's partition graphs must hold no optimizer op outside the stages' devices, and
   an update (an assign) on each of devices 1-3; the median step time; then ``export``,
   loaded with its variable devices, must serve ``predict``'s outputs (and what a plain
-  ``tf.saved_model.load`` does is reported);
+  ``tf.saved_model.load`` does is reported); and two zb-h1 steps as loops (their last
+  W's in iterations that skip the rest) must give the built-out step's weights (1e-4);
 - ``first_step``: trace + compile + first run of a K=4 Transformer-block stack (layers
   without an ``Input``: built by the data) for M in ``--first_step_micro_batches`` (1, 8,
   32) per schedule (``--first_step_schedules``), and ``keras.Sequential``'s (XLA where
@@ -226,16 +227,49 @@ def _logical4() -> dict:
         pm.train_on_batch(x, y)
         steps.append(time.perf_counter() - start)
     served = _served(pm, x[:37])
+    zb_h1 = _zb_h1_loops(devices[:4], x, y)
     return {
         "kind": kind,
         "devices": devices[:4],
+        **zb_h1,
         "optimizer_ops_per_device": {d: len(o) for d, o in sorted(ops.items())},
         "outside_stage_devices": outside,
         "devices_1_3_with_an_update": updated,
         **served,
         "median_step_ms": round(1000 * sorted(steps)[3], 2),
-        "ok": not outside and len(updated) == 3 and served["export_served_diff"] < 1e-5,
+        "ok": not outside
+        and len(updated) == 3
+        and served["export_served_diff"] < 1e-5
+        and zb_h1["zb_h1_loops_vs_built_out"] < 1e-4,
     }
+
+
+def _zb_h1_loops(devices, x, y) -> dict:
+    """Two zb-h1 steps (M=6) as loops and built out, from the same weights: the loops run the
+    last W's in iterations that skip the rest, a Switch and a Merge per list and handle on
+    each stage's device (``tf_gpipe/loop_guard.py``). The largest weight difference."""
+    import keras
+    import numpy as np
+
+    import tf_gpipe
+
+    weights: dict = {}
+    start = None
+    for loops in (True, False):
+        pm = tf_gpipe.PipelineModel(
+            _mlp(width=512), devices=devices, num_micro_batches=6, schedule="zb-h1", micro_batch_loops=loops
+        )
+        pm.build((None, x.shape[1]))
+        if start is None:
+            start = pm.get_weights()
+        pm.set_weights(start)
+        loss = keras.losses.SparseCategoricalCrossentropy(True)
+        pm.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+        for _ in range(2):
+            pm.train_on_batch(x[:250], y[:250])  # uneven micro-batches: 42 x 4, 41 x 2
+        weights[loops] = pm.get_weights()
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights[True], weights[False]))
+    return {"zb_h1_loops_vs_built_out": diff}
 
 
 def _served(pm, x) -> dict:
