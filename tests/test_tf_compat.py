@@ -238,16 +238,17 @@ def test_a_missing_control_dependencies_flag_fails_loudly(monkeypatch):
 
 
 def test_add_control_input_makes_an_op_wait():
-    """A variable's read made to wait for a write made after it reads the written value."""
-    graph = tf.Graph()
-    with graph.as_default():
-        v = tf.Variable(1.0)
+    """A variable's read made to wait for a write made after it reads the written value (a
+    graph function: no automatic control dependencies to order them otherwise)."""
+    v = tf.Variable(1.0)
+
+    def f():
         read = v.read_value()
         write = v.assign(5.0)
         tf_compat.add_control_input(read.op, write.op)
-        with tf.compat.v1.Session(graph=graph) as session:
-            session.run(v.initializer)
-            assert session.run(read) == 5.0, VERSION
+        return read
+
+    assert float(tf.compat.v1.wrap_function(f, [])()) == 5.0, VERSION
 
 
 def test_update_input_rewires_an_op():

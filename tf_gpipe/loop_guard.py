@@ -24,17 +24,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import tf_compat
+from tf_gpipe import ordering, tf_compat
 
 __all__: list[str] = []
-
-# Ops that run a function body: the runtime inlines it, each body op waiting for what the
-# call op waits for. One with no input would otherwise stay live (a position embedding's
-# rows are a range, whatever the call's inputs).
-_CALLS = frozenset(
-    ["PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While", "StatelessWhile"]
-    + ["Case", "StatelessCase"]
-)
 
 
 class _Pivots:
@@ -79,7 +71,9 @@ def run_below(
     made = graph.get_operations()[start:]
     names = {op.name for op in made}
     for op in made:
-        if op.type in _CALLS or not any(t.op.name in names for t in op.inputs):
+        # A function's body, inlined, waits for what its op waits for: one of its outputs that
+        # reads none of the op's inputs (a position embedding's rows, a range) stays live.
+        if op.type in ordering.FUNCTION_OPS or not any(t.op.name in names for t in op.inputs):
             tf_compat.add_control_input(op, pivots.on(op.device)[1].op)
 
     def merged(new: Any, old: Any) -> Any:

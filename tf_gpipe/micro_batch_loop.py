@@ -242,7 +242,7 @@ class _Step:
                 now["B", s] = loop_state.token(in_grads) if s > 0 else loop_state.token(go, dy)
                 w_go = self.tokens.before(state, now, "W", s)
                 if s in self.later:  # its W runs in a later iteration (``_weights_later``)
-                    self._later_weights(s, rec, dy, m, n_losses, emit, w_go)
+                    self._later_weights(s, rec, dy, loss_grads, m.probe is not None, emit, w_go)
                     return in_grads
                 _, grads = st.backward(rec, dy, loss_grads, w_go, False, True)
             dense = [None if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -253,14 +253,12 @@ class _Step:
                     emit["rows", s, i] = ("each", cell.device, (g.values, g.indices))
         return in_grads
 
-    def _later_weights(self, s, rec, dy, m, n_losses, emit, go):
-        """What stage ``s``'s W of micro-batch ``m`` reads of its B (``rec``, ``dy``), held
-        for ``_weights_later``; in the probe, the W too: the structure of its sums."""
+    def _later_weights(self, s, rec, dy, loss_grads, probe, emit, go):
+        """Hold what stage ``s``'s W reads of its B for ``_weights_later``; the probe runs it."""
         st, device = self.stages[s], self.cells[s].device
         emit["held_for_w", s] = ("held", device, (st.stash(rec), list(dy)))
-        if m.probe is not None:
-            grads = st.backward(rec, dy, self._loss_grads(m.on(device), n_losses), go, False, True)[1]
-            emit["grads", s] = ("sum", device, _dense(grads))
+        if probe:
+            emit["grads", s] = ("sum", device, _dense(st.backward(rec, dy, loss_grads, go, False, True)[1]))
 
     def _weights_later(self, m, state):
         """At the end of iteration ``i``, stage ``s``'s W of micro-batch ``i - later[s]``
@@ -276,8 +274,9 @@ class _Step:
 
     def _weight_later(self, s, e, state, go):
         """Stage ``s``'s W of micro-batch ``e``, if there is one; its token."""
-        st, layout, n_losses = self.stages[s], self.layouts["held_for_w", s], self.layouts["losses", s]
+        st, layout = self.stages[s], self.layouts["held_for_w", s]
         key, sums = ("emitted", ("held_for_w", s)), ("emitted", ("grads", s))
+        n_losses = len(self.layouts["losses", s].positions)
 
         # Added to the running sums here: a branch of zeros where there is no W would be
         # constants the step function holds as long as it lives.
@@ -285,12 +284,13 @@ class _Step:
             values, released = layout.take(state[key], e, self.M)
             kept, dy = layout.expand(values)
             rec = st.unstash(kept, None, self.deferred is not None)
-            grads = st.backward(rec, dy, self._loss_grads(e, len(n_losses.positions)), go, False, True)[1]
+            grads = st.backward(rec, dy, self._loss_grads(e, n_losses), go, False, True)[1]
             added = [a + b for a, b in zip(state[sums], self.layouts["grads", s].compress(_dense(grads)))]
             return released, added, loop_state.token(added)
 
-        skip = (state[key], state[sums], tf.constant(True))
-        state[key], state[sums], token = tf.cond(tf.logical_and(e >= 0, e < self.M), run, lambda: skip)
+        state[key], state[sums], token = tf.cond(
+            tf.logical_and(e >= 0, e < self.M), run, lambda: (state[key], state[sums], tf.constant(True))
+        )
         return token
 
     def _loss_grads(self, m, n_losses):

@@ -32,6 +32,8 @@ def after(deps: Sequence[Any], structure: Any) -> Any:
 
 # The ops a call of a traced function (a stage function) makes in a graph.
 CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
+# Every op whose body is a function: calls, conditionals, loops.
+FUNCTION_OPS = frozenset({*CALL_OPS, "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"})
 
 
 def done(*structures: Any) -> list[tf.Tensor]:

@@ -30,26 +30,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, tf_compat
+from tf_gpipe import keras_compat, ordering, tf_compat
 from tf_gpipe.cell import move_variables
 
 __all__: list[str] = []
 
 _BRANCHES = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
-# Ops whose body is a function: they take no device here, each op in the body is
-# placed on its own (a device on the caller would become the default of its body).
-_CALLERS = frozenset(
-    {
-        "If",
-        "StatelessIf",
-        "While",
-        "StatelessWhile",
-        "Case",
-        "StatelessCase",
-        "PartitionedCall",
-        "StatefulPartitionedCall",
-    }
-)
 
 
 def place_optimizer(optimizer: Any, home: str) -> None:
@@ -139,7 +125,9 @@ class _BesideInputs:
             # Its lowered switches and merges go where the predicate is (a stage's
             # device), not to the default device; the branches' ops are placed here one by one.
             return self.device_of(op.inputs[0])
-        if op.type in _CALLERS:
+        # Its body is a function: no device here, each op in the body is placed on its own
+        # (a device on the caller would become the default of its body).
+        if op.type in ordering.FUNCTION_OPS:
             return op.device
         if not op.device and op.inputs:
             found = self._choose(op)
@@ -175,7 +163,7 @@ class _BesideInputs:
             source = tf_compat.captured_source(t)
             if source is not None:
                 found = source.device if not tf_compat.is_symbolic(source) else self.device_of(source)
-            elif t.op.type in _CALLERS:
+            elif t.op.type in ordering.FUNCTION_OPS:
                 found = ""
             else:
                 found = self._choose(t.op)

@@ -51,8 +51,9 @@ def _holds(
 ) -> bool:
     """Whether in every iteration the action comes after its wait's in the device's order.
     Iteration ``i`` runs W of micro-batch ``i - later[stage]`` (``weight_lags``), every other
-    action of micro-batch ``i``; an iteration without one of the two holds trivially."""
-    for i in range(num_micro_batches):
+    action of micro-batch ``i``; an iteration without one of the two holds trivially. The
+    loop runs ``max(later)`` iterations more, for the last W's."""
+    for i in range(num_micro_batches + max((later or {}).values(), default=0)):
         m = i - _later(wait.kind, wait.stage, later)
         m_on = i - wait.lag - _later(wait.on_kind, wait.on_stage, later)
         if not (0 <= m < num_micro_batches and 0 <= m_on < num_micro_batches):
