@@ -52,7 +52,8 @@ def forward(
     symbolic = persistent and not tf.executing_eagerly()
     inputs, mask, side, nonempty, _ = mb
     if stashing and not remat:
-        outputs, out_mask, losses, before, kept, plan = stash.forward(cell, mb, deferred, input_grads)
+        split = persistent and input_grads and not tf.executing_eagerly()
+        outputs, out_mask, losses, before, kept, plan = stash.forward(cell, mb, deferred, input_grads, split)
         return Record(
             inputs=inputs, mask=mask, outputs=outputs, out_mask=out_mask, losses=losses, nonempty=nonempty,
             side=side, before=before, pooled=deferred is not None, kept=kept, plan=plan,
@@ -177,9 +178,15 @@ def backward(
 
     if record.plan is not None:
         assert record.kept is not None
-        in_grads, var_grads = stash.backward(
-            cell, record.plan, record.kept, list(output_grads), list(loss_grads), need_input_grads
+        plan = record.plan
+        if plan.weights is not None and part.weights:
+            raise RuntimeError(f"tf_gpipe: stage {cell.index}'s split backward ran its W before its B.")
+        in_grads, var_grads, held = stash.backward(
+            cell, plan, record.kept, list(output_grads), list(loss_grads), need_input_grads
         )
+        if plan.weights is not None:  # a split B: the record now holds what its W reads
+            record.kept, record.plan = record.kept[plan.weights_from :] + held, plan.weights
+            return in_grads, []
         if to_sums:
             return in_grads, stage.functions(cell).sums.add(var_grads, record.nonempty, after)
         return in_grads, _for_variables(cell, [mask_grad(g, record.nonempty) for g in var_grads], variables)

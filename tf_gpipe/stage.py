@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_gpipe import gated, handles, keras_compat, replay, scoped
+from tf_gpipe import gated, handles, keras_compat, py_functions, replay, scoped
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, attach_mask
 from tf_gpipe.gradient_sums import GradientSums
@@ -142,6 +142,12 @@ class StageFunctions:
         inline = dict(reduce_retracing=True, autograph=False)
         self._forward_inlined = tf.function(self._forward_body, jit_compile=jit_compile, **inline)
         self._forward_taped_inlined = tf.function(self._forward_taped_body, **taped)
+        # A taped forward without the gate, whose graph ``tf_gpipe.stash`` differentiates in
+        # two parts (ZB-H1's B and W): the gate's one gradient would make both at once.
+        self._forward_split = tf.function(self._forward_split_body, **taped)
+        self._forward_split_inlined = tf.function(self._forward_split_body, **taped)
+        # Per traced forward (``id``): ``tf_gpipe.stash``'s functions for its two halves.
+        self.split_halves: dict[int, Any] = {}
         self._backward_inlined = tf.function(self._backward_body, jit_compile=jit_compile, **inline)
         # Timeline markers are host callbacks, which XLA cannot compile.
         self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
@@ -150,6 +156,7 @@ class StageFunctions:
             self._backward = self._backward_marked = self._backward_body
             self._forward_inlined, self._backward_inlined = self._forward, self._backward
             self._forward_taped_inlined = self._forward_taped
+            self._forward_split = self._forward_split_inlined = self._forward_taped
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -186,6 +193,12 @@ class StageFunctions:
         fn = self._forward_taped_inlined if is_inlined() else self._forward_taped
         return fn, (mb, self._defers(deferred, mb.training), bool(input_grads))
 
+    def split_call(self, mb: MicroBatch, deferred: Any) -> tuple[Any, tuple]:
+        """The ungated taped forward function and its arguments, whose graph ``tf_gpipe.stash``
+        splits into a B and a W (see ``taped_call``)."""
+        fn = self._forward_split_inlined if is_inlined() else self._forward_split
+        return fn, (mb, self._defers(deferred, mb.training))
+
     def collect_moments(self, deferred: Any, training: Any, moments: list[Any]) -> None:
         """Pool a forward's BatchNormalization moments into ``deferred``, where it defers them."""
         if self._defers(deferred, training):
@@ -216,9 +229,13 @@ class StageFunctions:
     def _forward_taped_body(self, mb, defer, input_grads):
         return self._run_forward(mb, defer, input_grads)
 
+    def _forward_split_body(self, mb, defer):
+        return self._run_forward(mb, defer, "ungated")
+
     def _run_forward(self, mb, defer, taped_inputs):
         """``taped_inputs``: None for the forward a replay follows; True or False (whether
-        the float inputs get gradients) for a taped one, whose gradient is gated."""
+        the float inputs get gradients) for a taped one, whose gradient is gated; "ungated"
+        for a taped one differentiated op by op (``split_call``)."""
         inputs, mask, side, nonempty, training = mb
         cell, key = self.cell, (training, defer)
         bns = cell.batch_norms if defer else []
@@ -234,6 +251,10 @@ class StageFunctions:
             with keras_compat.RecordingScope() as scope, capture:
                 if taped_inputs is None:
                     outputs, out_mask = cell.call(inputs, mask, training, side)
+                    losses = list(scope.losses)
+                elif taped_inputs == "ungated":
+                    with py_functions.replayed():
+                        outputs, out_mask = cell.call(inputs, mask, training, side)
                     losses = list(scope.losses)
                 else:
                     outputs, out_mask, losses = gated.call(

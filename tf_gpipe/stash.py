@@ -22,7 +22,7 @@ once, in the forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
@@ -47,6 +47,12 @@ class Plan:
     handle the forward captured, the same in every micro-batch); ``("read", (h, dtype))``,
     the value of the trainable variable behind handle ``h``, read again; or
     ``("constant", value)``, a constant of the forward.
+
+    Split (ZB-H1's B and W, ``forward(split=True)``): the forward's plan is the B's, whose
+    function also returns the gradients at each op that reads a weight (from position
+    ``weight_inputs_at`` of its results); ``weights`` is the W's plan, whose function takes
+    those (the last ``held`` kept tensors, once the B made them) and the gradients of the
+    outputs that depend on weights alone, and reads ``kept[weights_from:]`` of the forward.
     """
 
     backward: Any
@@ -56,21 +62,77 @@ class Plan:
     output_slots: dict[int, tuple[str, int]]  # forward output -> ("outputs" | "losses", index)
     input_positions: list[int]  # for each of tf.nest.flatten(inputs): its flat argument, or -1
     variable_positions: list[int]  # for each trainable variable: its gradient's position
+    weight_inputs_at: int = -1
+    weights: Plan | None = None
+    weights_from: int = 0
+    held: int = 0
+
+
+class _Kept:
+    """What a forward keeps for the gradient functions that read it, and how each reads it."""
+
+    def __init__(self, cell, produced, graph_outputs, graph_inputs, outer, n_args):
+        self.cell, self.produced, self.outputs, self.inputs, self.outer = (
+            cell, produced, graph_outputs, graph_inputs, outer,
+        )  # fmt: skip
+        self.n_args = n_args
+        self.by_id = {id(t): j for j, t in enumerate(graph_outputs)}
+        self.weights = _read_only_weights(cell, graph_inputs, outer, n_args)
+        self.kept: list[tf.Tensor] = []
+        self._at: dict[int, int] = {}
+        self._base = 0
+
+    def feeds(self, backward: Any) -> list[tuple[str, Any]]:
+        feeds: list[tuple[str, Any]] = []
+        for c in backward.captured_inputs:
+            j = self.by_id.get(id(c))
+            same = None if j is None else _same_in_every_call(self.outputs[j], self.weights)
+            if j is None:  # a value from outside the forward: the same for every call
+                feeds.append(("given", c))
+            elif same is not None:  # a weight's value or a constant: read or made again, not kept
+                feeds.append(same)
+            elif self.produced[j].dtype in (tf.resource, tf.variant):
+                # A handle the forward was given (a variable's): no TensorArray holds one, and
+                # every micro-batch's call gets the same.
+                k = next((k for k, t in enumerate(self.inputs) if t is self.outputs[j]), None)
+                if k is None or k < self.n_args:
+                    raise RuntimeError(
+                        f"tf_gpipe: stage {self.cell.index}'s gradient reads a {self.produced[j].dtype.name} "
+                        "tensor its forward makes, which GPipe's loop of backwards cannot be given; use "
+                        "remat='always', schedule='1f1b', or micro_batch_loops=False."
+                    )
+                feeds.append(("given", self.outer[k]))
+            else:
+                if j not in self._at:
+                    self._at[j] = len(self.kept) - self._base
+                    self.kept.append(self.produced[j])
+                feeds.append(("kept", self._at[j]))
+        return feeds
+
+    def restart(self) -> int:
+        """Keep what the next functions read apart, from here on, counted from here;
+        where that begins."""
+        self._at, self._base = {}, len(self.kept)
+        return self._base
 
 
 def forward(
-    cell: Cell, mb: MicroBatch, deferred: Any, input_grads: bool
+    cell: Cell, mb: MicroBatch, deferred: Any, input_grads: bool, split: bool = False
 ) -> tuple[Any, Any, list[tf.Tensor], list[tf.Tensor], list[tf.Tensor], Plan]:
     """The stage's taped forward on micro-batch ``mb``, as its forward half.
 
     Returns ``(outputs, out_mask, losses, before, kept, plan)``: ``kept`` is what the
-    backward half (``backward``, with ``plan``) reads, to keep until then.
+    backward half (``backward``, with ``plan``) reads, to keep until then. ``split``: the
+    backward comes as ZB-H1's two halves (``Plan``; the stage's inputs take gradients).
     """
     fns = stage.functions(cell)
-    fn, args = fns.taped_call(mb, deferred, input_grads)
+    fn, args = fns.split_call(mb, deferred) if split else fns.taped_call(mb, deferred, input_grads)
     concrete = fn.get_concrete_function(*args)
-    first, second, n = tf_compat.forward_backward(concrete)
     flat_args = tf_compat.flat_arguments(concrete, args)
+    if split:
+        first, second, weights_fn, frontier, n = _halves(fns, concrete, len(flat_args))
+    else:
+        first, second, n = tf_compat.forward_backward(concrete)
     captured = list(concrete.captured_inputs)
     graph_inputs = list(concrete.graph.inputs)
     graph_outputs = list(first.graph.outputs)
@@ -81,36 +143,8 @@ def forward(
     if out_mask is not None:
         attach_mask(outputs, out_mask)
 
-    by_id = {id(t): j for j, t in enumerate(graph_outputs)}
-    kept: list[tf.Tensor] = []
-    kept_at: dict[int, int] = {}
-    feeds: list[tuple[str, Any]] = []
-    outer = flat_args + captured
-    weights = _read_only_weights(cell, graph_inputs, outer, len(flat_args))
-    for c in second.captured_inputs:
-        j = by_id.get(id(c))
-        same = None if j is None else _same_in_every_call(graph_outputs[j], weights)
-        if j is None:  # a value from outside the forward: the same for every call
-            feeds.append(("given", c))
-        elif same is not None:  # a weight's value or a constant: read or made again, not kept
-            feeds.append(same)
-        elif produced[j].dtype in (tf.resource, tf.variant):
-            # A handle the forward was given (a variable's): no TensorArray holds one, and
-            # every micro-batch's call gets the same.
-            k = next((k for k, t in enumerate(graph_inputs) if t is graph_outputs[j]), None)
-            if k is None or k < len(flat_args):
-                raise RuntimeError(
-                    f"tf_gpipe: stage {cell.index}'s gradient reads a {produced[j].dtype.name} tensor "
-                    "its forward makes, which GPipe's loop of backwards cannot be given; use "
-                    "remat='always', schedule='1f1b', or micro_batch_loops=False."
-                )
-            feeds.append(("given", outer[k]))
-        else:
-            if j not in kept_at:
-                kept_at[j] = len(kept)
-                kept.append(produced[j])
-            feeds.append(("kept", kept_at[j]))
-
+    keep = _Kept(cell, produced, graph_outputs, graph_inputs, flat_args + captured, len(flat_args))
+    feeds = keep.feeds(second)
     structure = concrete.structured_outputs
     slots: dict[int, tuple[str, int]] = {}
     position = 0
@@ -130,16 +164,138 @@ def forward(
     variable_positions = [
         at_handle.get(id(keras_compat.backing_variable(v).handle), -1) for v in cell.trainable_variables
     ]
+    trainable = [j for j in range(n) if _differentiable(graph_outputs[j].dtype)]
+    specs = _specs(graph_outputs[:n])
+    if not split:
+        plan = Plan(second, feeds, trainable, specs, slots, positions, variable_positions)
+        return outputs, out_mask, list(losses), list(before), keep.kept, plan
+    weights_from = keep.restart()
+    alone = [j for j in trainable if j in frontier.weight_only_outputs]
+    no_inputs, no_variables = [-1] * len(positions), [-1] * len(variable_positions)
+    weights = Plan(weights_fn, keep.feeds(weights_fn), alone, specs, slots, no_inputs, variable_positions)
+    weights.held = frontier.held
     plan = Plan(
-        backward=second,
-        feeds=feeds,
-        trainable_outputs=[j for j in range(n) if _differentiable(graph_outputs[j].dtype)],
-        output_specs=[tf.TensorSpec(t.shape, t.dtype) for t in graph_outputs[:n]],
-        output_slots=slots,
-        input_positions=positions,
-        variable_positions=variable_positions,
+        second, feeds, trainable, specs, slots, positions, no_variables, len(flat_args), weights, weights_from
     )
-    return outputs, out_mask, list(losses), list(before), kept, plan
+    return outputs, out_mask, list(losses), list(before), keep.kept, plan
+
+
+class _Frontier(NamedTuple):
+    held: int  # gradients at ops that read a weight, which the B returns and the W takes
+    weight_only_outputs: frozenset[int]  # outputs that depend on weights alone: the W's
+
+
+def _halves(fns: Any, concrete: Any, n_args: int) -> tuple[Any, Any, Any, _Frontier, int]:
+    """``(forward, B, W, frontier, n)`` for a traced ungated forward, made once per trace.
+
+    The B differentiates the outputs w.r.t. the stage's inputs and the outputs of each op
+    that combines a weight (or a value made from weights alone: a read, a cast) with
+    anything else: the activation gradients, once. The W takes those and differentiates
+    each such op alone, its other inputs held constant, then the weights-only ops back to
+    the weights: every path from a weight to the loss leaves the weights-only part of the
+    graph through one such op (or is an output made from weights alone, whose gradient the
+    W takes too), so their parts sum to the weight's gradient, and nothing of the B is
+    computed again.
+    """
+    key = id(concrete)
+    if key in fns.split_halves:
+        return fns.split_halves[key][1]
+    graph = concrete.graph
+    n = len(concrete.function_type.flat_outputs)
+    inputs = list(graph.inputs)
+    handles_at = {id(inputs[k]) for k in range(n_args, len(inputs)) if inputs[k].dtype == tf.resource}
+    readers, only = _weight_readers(graph, handles_at)
+    reading = [t for _, outs, _, _ in readers for t in outs]
+    outputs = list(graph.outputs[:n])
+    trainable = [t for t in outputs if _differentiable(t.dtype)]
+
+    def b_body(gradients, *grad_ys):
+        got = gradients(trainable, inputs[:n_args] + reading, grad_ys)
+        return got[:n_args] + [None if g is None else tf.convert_to_tensor(g) for g in got[n_args:]]
+
+    b, b_got = tf_compat.part_gradient(concrete, _specs(trainable), b_body)
+    reached = [t for t, g in zip(reading, b_got[n_args:]) if g is not None]
+    alone = [j for j, t in enumerate(outputs) if id(t) in only and _differentiable(t.dtype)]
+
+    def w_body(gradients, *grad_ys):
+        dy = {id(t): g for t, g in zip(reached, grad_ys)}
+        parts: dict[int, tuple[tf.Tensor, list[Any]]] = {}
+        for _, outs, weights, others in readers:
+            given = [(t, dy[id(t)]) for t in outs if id(t) in dy]
+            if given:
+                got = gradients([t for t, _ in given], weights, [g for _, g in given], others)
+                for t, g in zip(weights, got):
+                    if g is not None:
+                        parts.setdefault(id(t), (t, []))[1].append(g)
+        for j, g in zip(alone, grad_ys[len(reached) :]):
+            parts.setdefault(id(outputs[j]), (outputs[j], []))[1].append(g)
+        # A read's gradient is its weight's (kept sparse, an embedding's rows); the rest goes
+        # back through the weights-only ops (casts) to the weights.
+        direct: dict[int, list[Any]] = {}
+        through, their = [], []
+        for t, got in parts.values():
+            source = t.op.inputs[0] if t.op.type == "ReadVariableOp" else t
+            if id(source) in handles_at:
+                direct.setdefault(id(source), []).extend(got)
+            else:
+                through.append(t)
+                their.append(tf.add_n([tf.convert_to_tensor(g) for g in got]))
+        back = gradients(through, inputs, their) if through else [None] * len(inputs)
+        return [
+            _sum([g for g in (back[k], *direct.get(id(t), [])) if g is not None])
+            for k, t in enumerate(inputs)
+        ]
+
+    w, _ = tf_compat.part_gradient(concrete, _specs(reached + [outputs[j] for j in alone]), w_body)
+    first = tf_compat.forward_feeding(concrete, w)
+    found = (first, b, w, _Frontier(len(reached), frozenset(alone)), n)
+    fns.split_halves[key] = (concrete, found)  # the trace kept alive with what was made of it
+    return found
+
+
+def _specs(tensors: list[tf.Tensor]) -> list[tf.TensorSpec]:
+    return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
+
+
+def _sum(parts: list[Any]) -> Any:
+    """Gradient parts added: rows stay rows where every part is rows."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(g, tf.IndexedSlices) for g in parts):
+        values, indices = tf.concat([g.values for g in parts], 0), tf.concat([g.indices for g in parts], 0)
+        return tf.IndexedSlices(values, indices, parts[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in parts])
+
+
+def _weight_readers(graph: Any, handles_at: set[int]) -> tuple[list[tuple[Any, list, list, list]], set[int]]:
+    """In a forward's graph (ops in the order made, an order of their dataflow), each op
+    that reads a trainable weight's handle, or a value made from those alone, together with
+    anything else: ``(op, its float outputs, those inputs, its other inputs)``; and the ids
+    of the tensors made from weights (and constants) alone."""
+    only, free = set(handles_at), set[int]()
+    readers = []
+    for op in graph.get_operations():
+        ins = list(op.inputs)
+        if not ins:
+            if op.type == "Const":
+                free.update(id(t) for t in op.outputs)
+            continue
+        weights = [t for t in ins if id(t) in only]
+        others = [t for t in ins if id(t) not in only and id(t) not in free]
+        if not weights:
+            if not others:
+                free.update(id(t) for t in op.outputs)
+            continue
+        if not others:
+            only.update(id(t) for t in op.outputs)
+            continue
+        weights = [t for t in weights if _differentiable(t.dtype)]
+        outs = [t for t in op.outputs if t.dtype.is_floating or t.dtype.is_complex]
+        if weights and outs:  # else a weight's shape: nothing to differentiate
+            readers.append((op, outs, weights, others))
+    return readers, only
 
 
 # Ops that read a variable and write nothing: a weight only these touch in the forward
@@ -195,12 +351,15 @@ def backward(
     output_grads: list[Any],
     loss_grads: list[Any],
     need_input_grads: bool,
-) -> tuple[list[Any], list[Any]]:
+) -> tuple[list[Any], list[Any], list[tf.Tensor]]:
     """The gradient half of a stage call made by ``forward``, given what it kept:
     ``(input grads following tf.nest.flatten(inputs), None for non-float ones;
-    grads following cell.trainable_variables)``."""
+    grads following cell.trainable_variables; what the W reads of a split B)``: with a
+    split plan, the B's input gradients and the gradients its W takes (``Plan``), or the
+    W's weight gradients (``plan.weights``, ``kept`` ending with what the B gave it)."""
     given = {"outputs": list(output_grads), "losses": list(loss_grads)}
-    grads_in = []
+    grads_in = list(kept[len(kept) - plan.held :]) if plan.held else []
+    kept = kept[: len(kept) - plan.held]
     for j in plan.trainable_outputs:
         slot = plan.output_slots.get(j)
         g = None if slot is None else given[slot[0]][slot[1]]
@@ -228,4 +387,5 @@ def backward(
         grads = tf_compat.call_backward(plan.backward, grads_in, handles.fed(feeds))
     in_grads = [None if p < 0 or not need_input_grads else grads[p] for p in plan.input_positions]
     var_grads = [None if p < 0 else grads[p] for p in plan.variable_positions]
-    return in_grads, var_grads
+    held = [g for g in grads[plan.weight_inputs_at :] if g is not None] if plan.weights is not None else []
+    return in_grads, var_grads, held
