@@ -243,12 +243,16 @@ def test_add_control_input_makes_an_op_wait():
     v = tf.Variable(1.0)
 
     def f():
-        read = v.read_value()
+        # The read op itself (``read_value`` wraps it in an identity, which waiting would not
+        # hold the read back: the test would pass or fail by the executor's order).
+        read = tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=tf.float32)
         write = v.assign(5.0)
         tf_compat.add_control_input(read.op, write.op)
         return read
 
-    assert float(tf.compat.v1.wrap_function(f, [])()) == 5.0, VERSION
+    for _ in range(20):  # without the wait, the read runs first in some of them
+        v.assign(1.0)
+        assert float(tf.compat.v1.wrap_function(f, [])()) == 5.0, VERSION
 
 
 def test_update_input_rewires_an_op():

@@ -192,7 +192,14 @@ def run_schedule(
         # 2K (or 3K) stage call sites whatever M, not one per action.
         return micro_batch_loop.run(schedule, cells, split, masks, rematerializes, sides, loss, deferred)
     halves = bool(getattr(schedule, "split_backward", False))
-    stages = [PipelineStage(c, s == 0, rematerializes(s), halves, M > 1) for s, c in enumerate(cells)]
+    # A split stage that keeps its activations runs its B and W as two functions of its
+    # forward (``tf_gpipe.stash``): two gradients of one taped call would each compute the
+    # activation gradients. Eagerly a persistent tape gives both halves instead.
+    halved = halves and tf.inside_function()
+    stages = [
+        PipelineStage(c, s == 0, rematerializes(s), halves, M > 1, halved and s > 0 and not rematerializes(s))
+        for s, c in enumerate(cells)
+    ]
     acts, act_masks = list(split.chunks), list(masks)  # each micro-batch's latest stage output
     outputs: list[Any] = [None] * M
     out_masks: list[Any] = [None] * M

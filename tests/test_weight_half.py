@@ -1,0 +1,88 @@
+"""ZB-H1's two backward halves of a stage that keeps its activations (``remat="never"``):
+the B makes the activation gradients once, the W makes the weight gradients from what the B
+handed it (``tf_gpipe.stash``, split), without a second pass of the chain."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import TRAINED_TOL, assert_all_close, data, mlp_layers, partition_graphs
+
+import tf_gpipe
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class Twice(keras.layers.Layer):
+    """One kernel read by two matmuls in a chain (the second's input is the first's output),
+    a term made of the weights alone added to the activations, and a layer loss of the
+    weights alone: what the W's sum over the ops that read a weight must get right."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], self.units), initializer="glorot_uniform")
+        self.b = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, x):
+        w = tf.convert_to_tensor(self.w)  # one read for every use
+        h = tf.tanh(tf.matmul(x, w))
+        self.add_loss(1e-2 * tf.reduce_sum(tf.square(w)))
+        return tf.matmul(h, w, transpose_b=True) * self.b + tf.reduce_mean(w)
+
+
+def _layers():
+    keras.utils.set_random_seed(3)
+    return [
+        keras.layers.Dense(8, activation="tanh"),
+        Twice(6),
+        keras.layers.Dense(8, activation="relu"),
+        Twice(5),
+        keras.layers.Dense(3),
+    ]
+
+
+@pytest.mark.parametrize("loops", [True, False])
+def test_split_halves_train_as_the_unsplit_model(cpu_devices, loops):
+    """A weight read twice along the chain, a weights-only term and a layer loss: zb-h1 with
+    ``remat="never"`` trains as ``keras.Sequential`` (Adam, 10 examples in 4 uneven
+    micro-batches, two steps), in the loops and built out."""
+    x, y = data(10)
+    seq = keras.Sequential([keras.Input((8,))] + _layers())
+    pm = tf_gpipe.PipelineModel(
+        _layers(), num_stages=3, balance=[2, 2, 1], num_micro_batches=4, devices=cpu_devices[:3],
+        schedule="zb-h1", remat="never", micro_batch_loops=loops,
+    )  # fmt: skip
+    pm.build((None, 8))
+    pm.set_weights(seq.get_weights())
+    for m in (seq, pm):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+    for _ in range(2):
+        np.testing.assert_allclose(pm.train_on_batch(x, y), seq.train_on_batch(x, y), rtol=1e-5)
+    assert_all_close(pm.get_weights(), seq.get_weights(), rtol=TRAINED_TOL, atol=TRAINED_TOL)
+
+
+def _matmuls(cpu_devices, schedule, loops):
+    x, y = data(16)
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=5), num_stages=3, num_micro_batches=4, devices=cpu_devices[:3],
+        schedule=schedule, remat="never", micro_batch_loops=loops,
+    )  # fmt: skip
+    pm.compile(optimizer="sgd", loss=LOSS)
+    found = collections.Counter()
+    for g in partition_graphs(lambda: pm.train_on_batch(x, y)):
+        for node in g.node:
+            if "MatMul" in node.op:
+                found[node.device.rsplit(":", 1)[-1]] += 1
+    return found
+
+
+@pytest.mark.parametrize("loops", [True, False])
+def test_the_weight_half_does_not_compute_the_input_half_again(cpu_devices, loops):
+    """Per device, the step's matmuls (forward, input and weight gradients) under zb-h1 are
+    1F1B's: each stage's W multiplies the gradients its B made, once per weight."""
+    assert _matmuls(cpu_devices, "zb-h1", loops) == _matmuls(cpu_devices, "1f1b", loops)
