@@ -302,6 +302,51 @@ def test_forward_backward_splits_a_call_into_its_halves(cpu_devices):
         np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(ref), rtol=1e-6)
 
 
+def test_part_gradient_differentiates_part_of_a_traced_function():
+    """Two gradient functions of one traced function, as ZB-H1's halves: the first gives
+    the input's gradient and the gradient at a product; the second, from that, the weight's
+    (the product alone, the input held constant, and the weight's direct use); the forward
+    feeding both returns the outputs first. Together they give what a tape gives."""
+
+    @tf.function(autograph=False)
+    def f(x, w):
+        return tf.sin(x * w) + w
+
+    x, w, dy = tf.constant([0.5, 1.0, -2.0]), tf.constant([2.0, 3.0, 0.25]), tf.constant([1.0, -1.0, 0.5])
+    concrete = f.get_concrete_function(x, w)
+    graph = concrete.graph
+    x_in, w_in = graph.inputs[:2]
+    product = next(op for op in graph.get_operations() if op.type == "Mul").outputs[0]
+    out = graph.outputs[0]
+    spec = [tf.TensorSpec(out.shape, out.dtype)]
+    first, first_got = tf_compat.part_gradient(
+        concrete, spec, lambda grads, g: grads([out], [x_in, product], [g])
+    )
+    assert [g is not None for g in first_got] == [True, True]
+
+    def weight(grads, at_product, at_out):
+        through = grads([product], [w_in], [at_product], stops=[x_in])[0]
+        return [through + grads([out], [w_in], [at_out], stops=[product])[0]]
+
+    second, _ = tf_compat.part_gradient(concrete, spec * 2, weight)
+    forward = tf_compat.forward_feeding(concrete, second)
+    outs = tf_compat.call_forward(forward, [x, w])
+    position = {id(t): j for j, t in enumerate(forward.graph.outputs)}
+
+    def reads(fn):
+        return [outs[position[id(c)]] if id(c) in position else c for c in fn.captured_inputs]
+
+    dx, d_product = tf_compat.call_backward(first, [dy], reads(first))
+    (dw,) = tf_compat.call_backward(second, [d_product, dy], reads(second))
+    with tf.GradientTape() as tape:
+        tape.watch([x, w])
+        ref = f(x, w)
+    want = tape.gradient(ref, [x, w], output_gradients=dy)
+    np.testing.assert_allclose(outs[0], ref, rtol=1e-6)
+    np.testing.assert_allclose(dx, want[0], rtol=1e-6)
+    np.testing.assert_allclose(dw, want[1], rtol=1e-6)
+
+
 def test_a_missing_forward_backward_pair_fails_loudly():
     class Bare:
         pass

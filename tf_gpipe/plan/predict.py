@@ -3,11 +3,11 @@
 Time: each stage's forward and backward are the sums of its layers' (a re-materialized
 stage's backward adds its forward again), and the schedule's simulation
 (``Schedule.simulate``) gives the step time and bubble. A split schedule's (zb-h1) B and W
-are priced as the engine runs them: B differentiates w.r.t. the stage input only, W
-w.r.t. the weights only, each from the forward's tape or its own replay; so W computes
-again the gradients of the activations above the stage's lowest layer with weights (it
-needs them, and B did not keep them), and each replays the forward when re-materialized
-(:func:`_backward_halves`).
+are priced as the engine runs them: B differentiates w.r.t. the stage input only; a stage
+that keeps its activations hands W the gradients at each op that reads a weight, and W
+runs each layer's weight half alone; a re-materialized one replays the forward in each, so
+its W computes again the gradients of the activations above the stage's lowest layer with
+weights (:func:`_backward_halves`).
 
 Memory per device: weights, optimizer slots and gradient sums, plus activations walked
 through the device's own order of actions: a forward leaves its stash (the stage input
@@ -45,7 +45,8 @@ class StageCost:
     forward_s: float
     backward_s: float  # the full backward, without re-computation
     input_grad_s: float  # a split schedule's B (the input gradient), without re-computation
-    weight_grad_s: float  # its W (the weight gradient), without re-computation
+    weight_grad_s: float  # its W (the weight gradient) when re-materialized, the replay aside
+    kept_weight_grad_s: float  # its W when the stage keeps its activations
     input_bytes: float  # the stage input of one micro-batch: its stash with remat
     activation_bytes: float  # everything the backward keeps, the input included
     forward_bytes: float  # the most a forward without a tape adds beside its input
@@ -118,14 +119,20 @@ def _weight_layers(
     ], whole
 
 
-def _backward_halves(profiles: Sequence[LayerProfile], n: int, first: bool) -> tuple[float, float, float]:
-    """``(full, input, weight)`` backward seconds of a stage's layers (no call overhead).
+def _backward_halves(
+    profiles: Sequence[LayerProfile], n: int, first: bool
+) -> tuple[float, float, float, float]:
+    """``(full, input, weight, kept weight)`` backward seconds of a stage's layers (no call
+    overhead).
 
     ``input`` (B) is every layer's input half: the chain down to the stage input.
-    ``weight`` (W): the weight gradient of a layer needs the gradient of its output, so
-    from the top down to the lowest layer with weights W runs each layer's whole backward
-    and that layer's weight half; below it, nothing. The first stage computes no input
-    gradient: its full backward is its W (and its split B does nothing)."""
+    ``weight`` (W of a re-materialized stage): the weight gradient of a layer needs the
+    gradient of its output, which its replay must make again, so from the top down to the
+    lowest layer with weights W runs each layer's whole backward and that layer's weight
+    half; below it, nothing. ``kept weight`` (W of a stage that keeps its activations):
+    every layer's weight half, from the gradients its B handed on (``tf_gpipe.stash``).
+    The first stage computes no input gradient: its full backward is its W (and its split
+    B does nothing)."""
     full = [p.backward_s.at(n) for p in profiles]
     halves = [_halves(p, n) for p in profiles]
     layers, whole = _weight_layers(profiles, n, first)
@@ -133,8 +140,8 @@ def _backward_halves(profiles: Sequence[LayerProfile], n: int, first: bool) -> t
     if whole:  # the model's first layer: its backward has no input gradient
         weight = sum(full)
     if first:
-        return weight, 0.0, weight
-    return sum(full), sum(h[0] for h in halves), weight
+        return weight, 0.0, weight, weight
+    return sum(full), sum(h[0] for h in halves), weight, sum(h[1] for h in halves)
 
 
 def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: bool = False) -> StageCost:
@@ -156,7 +163,7 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: 
     # A split B on a tape leaves every kept tensor to its W: while layer i's input gradient
     # runs, the layers above it still hold theirs (a full backward has freed them by then).
     taped_input_grad = max(kept_before - keeps + peak_b for keeps, peak_b in own)
-    full, input_grad, weight_grad = _backward_halves(profiles, n, first)
+    full, input_grad, weight_grad, kept_weight_grad = _backward_halves(profiles, n, first)
     call_b = call.backward_call_s.at(n)
     first_bytes = profiles[0].input_bytes.at(n)
     host_segments = _host_segments(profiles, n, first)
@@ -165,6 +172,7 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: 
         backward_s=full + call_b,
         input_grad_s=0.0 if first else input_grad + call_b,  # the first stage's B is no call
         weight_grad_s=weight_grad + call_b,
+        kept_weight_grad_s=kept_weight_grad + call_b,
         input_bytes=first_bytes,
         activation_bytes=first_bytes + kept_before,
         forward_bytes=forward,
@@ -201,6 +209,7 @@ def _host_segments(
         "B": backward,
         "I": () if first else tuple((halves[i][0], share[i]) for i in down),
         "W": tuple(weight),
+        "K": tuple(weight) if first else tuple((halves[i][1], share[i]) for i in down),  # kept W
     }
 
 
@@ -251,12 +260,12 @@ def step_time(
         host = {"F": [list(g["F"]) for g in seg]}  # type: ignore[index]
         if schedule.split_backward:
             host["B"] = replayed("I", [r and i > 0 for i, r in enumerate(remat)])
-            host["W"] = replayed("W", remat)
+            host["W"] = [list(g["F"]) + list(g["W"]) if r else list(g["K"]) for g, r in zip(seg, remat)]  # type: ignore[index]
         else:
             host["B"] = replayed("B", remat)
     fwd = [s.forward_s for s in stages]
     if schedule.split_backward:
-        wgt = [s.weight_grad_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
+        wgt = [s.weight_grad_s + s.forward_s if r else s.kept_weight_grad_s for s, r in zip(stages, remat)]
         inp = [
             s.input_grad_s + (s.forward_s if r and i > 0 else 0.0)
             for i, (s, r) in enumerate(zip(stages, remat))

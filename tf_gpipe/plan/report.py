@@ -197,7 +197,8 @@ class Plan:
             bwd = f"{(st.backward_s + replay) * 1e3:.3f}"
             if split:  # B + W, each replaying the forward when re-materialized (not B on stage 0)
                 b = st.input_grad_s + (replay if s > 0 else 0.0)
-                bwd = f"{b * 1e3:.3f}+{(st.weight_grad_s + replay) * 1e3:.3f}"
+                w = st.weight_grad_s + replay if flags[s] else st.kept_weight_grad_s
+                bwd = f"{b * 1e3:.3f}+{w * 1e3:.3f}"
             rows.append(
                 [str(s), device, shown, f"{st.forward_s * 1e3:.3f}", bwd, _mib(stash),
                  _mib(static_bytes(st, self.optimizer_slots, c.num_micro_batches)), _mib(c.peak_bytes[d])]
