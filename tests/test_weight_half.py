@@ -86,3 +86,40 @@ def test_the_weight_half_does_not_compute_the_input_half_again(cpu_devices, loop
     """Per device, the step's matmuls (forward, input and weight gradients) under zb-h1 are
     1F1B's: each stage's W multiplies the gradients its B made, once per weight."""
     assert _matmuls(cpu_devices, "zb-h1", loops) == _matmuls(cpu_devices, "1f1b", loops)
+
+
+def _recurrent():
+    keras.utils.set_random_seed(1)
+    return [
+        keras.layers.Embedding(50, 8, mask_zero=True),
+        keras.layers.LSTM(8, return_sequences=True),
+        keras.layers.LSTM(6),
+        keras.layers.Dense(3),
+    ]
+
+
+def test_weights_read_inside_a_loop_keep_one_backward(cpu_devices):
+    """A recurrent layer reads its weights inside its loop, whose gradient TensorFlow makes
+    whole: its stage is not split (built out it trains as ``keras.Sequential``), and the loops,
+    which cannot hold the loop's per-step values for a later W, say so and what to use."""
+    rng = np.random.RandomState(0)
+    x, y = rng.randint(0, 50, (10, 7)) * (rng.rand(10, 7) > 0.2), rng.randint(0, 3, 10)
+    seq = keras.Sequential([keras.Input((7,))] + _recurrent())
+    seq.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+    for loops in (False, True):
+        pm = tf_gpipe.PipelineModel(
+            _recurrent(), num_stages=3, num_micro_batches=4, devices=cpu_devices[:3],
+            schedule="zb-h1", remat="never", micro_batch_loops=loops,
+        )  # fmt: skip
+        pm.build((None, 7))
+        pm.set_weights(seq.get_weights())
+        pm.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+        if loops:
+            with pytest.raises(
+                RuntimeError, match=r"stage 1's gradient reads a variant tensor.*micro_batch_loops=False"
+            ):
+                pm.train_on_batch(x, y)
+            continue
+        for _ in range(2):
+            np.testing.assert_allclose(pm.train_on_batch(x, y), seq.train_on_batch(x, y), rtol=1e-6)
+        assert_all_close(pm.get_weights(), seq.get_weights(), rtol=TRAINED_TOL, atol=TRAINED_TOL)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tf_gpipe import handles, keras_compat, stage, tf_compat
+from tf_gpipe import handles, keras_compat, ordering, stage, tf_compat
 from tf_gpipe.cell import Cell, attach_mask
 from tf_gpipe.microbatch import MicroBatch
 
@@ -91,14 +91,16 @@ class _Kept:
                 feeds.append(("given", c))
             elif same is not None:  # a weight's value or a constant: read or made again, not kept
                 feeds.append(same)
-            elif self.produced[j].dtype in (tf.resource, tf.variant):
-                # A handle the forward was given (a variable's): no TensorArray holds one, and
-                # every micro-batch's call gets the same.
+            elif self.produced[j].dtype in (tf.resource, tf.variant) and stage.is_inlined():
+                # Inside the loops, a handle the forward was given (a variable's): no TensorArray
+                # holds one, and every micro-batch's call gets the same. Built out, what the
+                # forward made (a recurrent layer's stacks) goes to the backward as it is.
                 k = next((k for k, t in enumerate(self.inputs) if t is self.outputs[j]), None)
                 if k is None or k < self.n_args:
                     raise RuntimeError(
                         f"tf_gpipe: stage {self.cell.index}'s gradient reads a {self.produced[j].dtype.name} "
-                        "tensor its forward makes, which GPipe's loop of backwards cannot be given; use "
+                        "tensor its forward makes (a recurrent layer's per-step values), which a later "
+                        "loop over micro-batches (GPipe's backwards, ZB-H1's W) cannot be given; use "
                         "remat='always', schedule='1f1b', or micro_batch_loops=False."
                     )
                 feeds.append(("given", self.outer[k]))
@@ -126,14 +128,18 @@ def forward(
     backward comes as ZB-H1's two halves (``Plan``; the stage's inputs take gradients).
     """
     fns = stage.functions(cell)
-    fn, args = fns.split_call(mb, deferred) if split else fns.taped_call(mb, deferred, input_grads)
-    concrete = fn.get_concrete_function(*args)
-    flat_args = tf_compat.flat_arguments(concrete, args)
+    halves = None
     if split:
-        first, second, weights_fn, frontier, n = _halves(fns, concrete, len(flat_args))
-    else:
+        fn, args = fns.split_call(mb, deferred)
+        concrete, flat_args, captured, variable_positions = _traced(cell, fn, args)
+        weighed = [p for p in variable_positions if p >= 0]
+        halves = _halves(fns, concrete, len(flat_args), weighed)
+    if halves is None:
+        fn, args = fns.taped_call(mb, deferred, input_grads)
+        concrete, flat_args, captured, variable_positions = _traced(cell, fn, args)
         first, second, n = tf_compat.forward_backward(concrete)
-    captured = list(concrete.captured_inputs)
+    else:
+        first, second, weights_fn, frontier, n = halves
     graph_inputs = list(concrete.graph.inputs)
     graph_outputs = list(first.graph.outputs)
     with tf.device(cell.device):  # the handles as the loop packed them (``tf_gpipe.handles``)
@@ -159,14 +165,9 @@ def forward(
     for t in flat_in:
         positions.append(at if t is not None else -1)
         at += t is not None
-    # A variable's gradient is that of the handle the forward captured; a frozen one has none.
-    at_handle = {id(h): len(flat_args) + i for i, h in enumerate(captured)}
-    variable_positions = [
-        at_handle.get(id(keras_compat.backing_variable(v).handle), -1) for v in cell.trainable_variables
-    ]
     trainable = [j for j in range(n) if _differentiable(graph_outputs[j].dtype)]
     specs = _specs(graph_outputs[:n])
-    if not split:
+    if halves is None:
         plan = Plan(second, feeds, trainable, specs, slots, positions, variable_positions)
         return outputs, out_mask, list(losses), list(before), keep.kept, plan
     weights_from = keep.restart()
@@ -180,13 +181,31 @@ def forward(
     return outputs, out_mask, list(losses), list(before), keep.kept, plan
 
 
+def _traced(cell: Cell, fn: Any, args: tuple) -> tuple[Any, list[Any], list[Any], list[int]]:
+    """``fn``'s trace for ``args``: the concrete function, its flat arguments, what it
+    captured, and for each trainable variable the position of its handle among the
+    function's inputs (-1 for one it does not read: a frozen one has no gradient)."""
+    concrete = fn.get_concrete_function(*args)
+    flat_args = tf_compat.flat_arguments(concrete, args)
+    captured = list(concrete.captured_inputs)
+    at_handle = {id(h): len(flat_args) + i for i, h in enumerate(captured)}
+    handle_ids = [id(keras_compat.backing_variable(v).handle) for v in cell.trainable_variables]
+    return concrete, flat_args, captured, [at_handle.get(h, -1) for h in handle_ids]
+
+
 class _Frontier(NamedTuple):
     held: int  # gradients at ops that read a weight, which the B returns and the W takes
     weight_only_outputs: frozenset[int]  # outputs that depend on weights alone: the W's
 
 
-def _halves(fns: Any, concrete: Any, n_args: int) -> tuple[Any, Any, Any, _Frontier, int]:
-    """``(forward, B, W, frontier, n)`` for a traced ungated forward, made once per trace.
+def _halves(
+    fns: Any, concrete: Any, n_args: int, weighed: list[int]
+) -> tuple[Any, Any, Any, _Frontier, int] | None:
+    """``(forward, B, W, frontier, n)`` for a traced ungated forward, made once per trace;
+    ``weighed``: the positions of the trainable weights' handles among its inputs (a frozen
+    weight, a random generator's state and moving statistics get no W). None where a weight
+    is read inside a loop or a function call (a recurrent layer): the gradient of such an op
+    is made whole, B and W would each make it, so the stage keeps one backward function.
 
     The B differentiates the outputs w.r.t. the stage's inputs and the outputs of each op
     that combines a weight (or a value made from weights alone: a read, a cast) with
@@ -203,8 +222,11 @@ def _halves(fns: Any, concrete: Any, n_args: int) -> tuple[Any, Any, Any, _Front
     graph = concrete.graph
     n = len(concrete.function_type.flat_outputs)
     inputs = list(graph.inputs)
-    handles_at = {id(inputs[k]) for k in range(n_args, len(inputs)) if inputs[k].dtype == tf.resource}
+    handles_at = {id(inputs[k]) for k in weighed}
     readers, only = _weight_readers(graph, handles_at)
+    if any(op.type in ordering.FUNCTION_OPS for op, _, _, _ in readers):
+        fns.split_halves[key] = (concrete, None)
+        return None
     reading = [t for _, outs, _, _ in readers for t in outs]
     outputs = list(graph.outputs[:n])
     trainable = [t for t in outputs if _differentiable(t.dtype)]
