@@ -123,3 +123,46 @@ def test_weights_read_inside_a_loop_keep_one_backward(cpu_devices):
         for _ in range(2):
             np.testing.assert_allclose(pm.train_on_batch(x, y), seq.train_on_batch(x, y), rtol=1e-6)
         assert_all_close(pm.get_weights(), seq.get_weights(), rtol=TRAINED_TOL, atol=TRAINED_TOL)
+
+
+def _tokens():
+    keras.utils.set_random_seed(5)
+    return [
+        keras.layers.Embedding(40, 12, mask_zero=True),
+        keras.layers.LayerNormalization(),
+        keras.layers.Dense(16, activation="gelu"),
+        keras.layers.Dense(12),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(12, activation="relu", kernel_regularizer="l2"),
+        keras.layers.Dense(3, dtype="float32"),
+    ]
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_split_halves_fit_as_the_unsplit_model_with_masks_and_sample_weights(cpu_devices, policy):
+    """A masked token model (embedding rows, a layer norm, masked pooling, a regularized
+    layer) under zb-h1/never, fit for an epoch with sample weights in uneven
+    micro-batches, as ``keras.Sequential``; under ``mixed_float16`` too (float16 weight
+    casts between the weights and the ops that read them, loss scaling)."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        rng = np.random.RandomState(2)
+        x = rng.randint(1, 40, (22, 6)) * (rng.rand(22, 6) > 0.25)
+        y, w = rng.randint(0, 3, 22), rng.rand(22).astype("float32")
+        seq = keras.Sequential([keras.Input((6,))] + _tokens())
+        pm = tf_gpipe.PipelineModel(
+            _tokens(), num_stages=3, balance=[2, 3, 2], num_micro_batches=3, devices=cpu_devices[:3],
+            schedule="zb-h1", remat="never",
+        )  # fmt: skip
+        pm.build((None, 6))
+        pm.set_weights(seq.get_weights())
+        history = []
+        for m in (seq, pm):
+            m.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+            fit = m.fit(x, y, sample_weight=w, batch_size=8, epochs=2, shuffle=False, verbose=0)
+            history.append(fit.history["loss"])
+        tol = 2e-3 if policy == "mixed_float16" else TRAINED_TOL
+        np.testing.assert_allclose(history[1], history[0], rtol=tol)
+        assert_all_close(pm.get_weights(), seq.get_weights(), rtol=tol, atol=tol)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
