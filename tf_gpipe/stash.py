@@ -17,6 +17,14 @@ memory is the built-out step's.
 The forward is the taped forward function of the stage (``StageFunctions.forward``,
 ``taped=True``): its gradient is gated (``tf_gpipe.gated``), its variable writes happen
 once, in the forward.
+
+ZB-H1 splits each backward into a B (the input gradient) and a W (the weight gradients).
+Two gradients of one call would each compute the stage's activation gradients. So a stage
+that keeps its activations is split at the ops that read its weights instead
+(``forward(split=True)``). Its ungated forward (``StageFunctions.split_call``) gets two
+gradient functions: the B's also returns the gradients at those ops, and the W's
+differentiates those ops alone, from them. What the W reads waits in the record until then,
+in place of every activation.
 """
 
 from __future__ import annotations
