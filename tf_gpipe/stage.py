@@ -156,7 +156,7 @@ class StageFunctions:
             self._backward = self._backward_marked = self._backward_body
             self._forward_inlined, self._backward_inlined = self._forward, self._backward
             self._forward_taped_inlined = self._forward_taped
-            self._forward_split = self._forward_split_inlined = self._forward_taped
+            self._forward_split = self._forward_split_inlined = self._forward_split_body
 
     # ------------------------------------------------------------------ forward
     def forward(
