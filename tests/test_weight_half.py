@@ -90,12 +90,7 @@ def test_the_weight_half_does_not_compute_the_input_half_again(cpu_devices, loop
 
 def _recurrent():
     keras.utils.set_random_seed(1)
-    return [
-        keras.layers.Embedding(50, 8, mask_zero=True),
-        keras.layers.LSTM(8, return_sequences=True),
-        keras.layers.LSTM(6),
-        keras.layers.Dense(3),
-    ]
+    return [keras.layers.Embedding(50, 8, mask_zero=True), keras.layers.LSTM(6), keras.layers.Dense(3)]
 
 
 def test_weights_read_inside_a_loop_keep_one_backward(cpu_devices):
