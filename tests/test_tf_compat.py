@@ -305,8 +305,8 @@ def test_forward_backward_splits_a_call_into_its_halves(cpu_devices):
 def test_part_gradient_differentiates_part_of_a_traced_function():
     """Two gradient functions of one traced function, as ZB-H1's halves: the first gives
     the input's gradient and the gradient at a product; the second, from that, the weight's
-    (the product alone, the input held constant, and the weight's direct use); the forward
-    feeding both returns the outputs first. Together they give what a tape gives."""
+    (the product alone, the input held constant, and the weight's direct use); the second's
+    forward feeds both and returns the outputs first. Together they give what a tape gives."""
 
     @tf.function(autograph=False)
     def f(x, w):
@@ -319,7 +319,7 @@ def test_part_gradient_differentiates_part_of_a_traced_function():
     product = next(op for op in graph.get_operations() if op.type == "Mul").outputs[0]
     out = graph.outputs[0]
     spec = [tf.TensorSpec(out.shape, out.dtype)]
-    first, first_got = tf_compat.part_gradient(
+    _, first, first_got = tf_compat.part_gradient(
         concrete, spec, lambda grads, g: grads([out], [x_in, product], [g])
     )
     assert [g is not None for g in first_got] == [True, True]
@@ -328,8 +328,7 @@ def test_part_gradient_differentiates_part_of_a_traced_function():
         through = grads([product], [w_in], [at_product], stops=[x_in])[0]
         return [through + grads([out], [w_in], [at_out], stops=[product])[0]]
 
-    second, _ = tf_compat.part_gradient(concrete, spec * 2, weight)
-    forward = tf_compat.forward_feeding(concrete, second)
+    forward, second, _ = tf_compat.part_gradient(concrete, spec * 2, weight)
     outs = tf_compat.call_forward(forward, [x, w])
     position = {id(t): j for j, t in enumerate(forward.graph.outputs)}
 

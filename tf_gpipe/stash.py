@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from tf_gpipe import handles, keras_compat, ordering, stage, tf_compat
+from tf_gpipe import handles, keras_compat, ordering, sparse, stage, tf_compat
 from tf_gpipe.cell import Cell, attach_mask
 from tf_gpipe.microbatch import MicroBatch
 
@@ -179,10 +179,11 @@ def forward(
         plan = Plan(second, feeds, trainable, specs, slots, positions, variable_positions)
         return outputs, out_mask, list(losses), list(before), keep.kept, plan
     weights_from = keep.restart()
-    alone = [j for j in trainable if j in frontier.weight_only_outputs]
     no_inputs, no_variables = [-1] * len(positions), [-1] * len(variable_positions)
-    weights = Plan(weights_fn, keep.feeds(weights_fn), alone, specs, slots, no_inputs, variable_positions)
-    weights.held = frontier.held
+    weights = Plan(
+        weights_fn, keep.feeds(weights_fn), list(frontier.alone), specs, slots, no_inputs, variable_positions,
+        held=frontier.held,
+    )  # fmt: skip
     plan = Plan(
         second, feeds, trainable, specs, slots, positions, no_variables, len(flat_args), weights, weights_from
     )
@@ -203,7 +204,7 @@ def _traced(cell: Cell, fn: Any, args: tuple) -> tuple[Any, list[Any], list[Any]
 
 class _Frontier(NamedTuple):
     held: int  # gradients at ops that read a weight, which the B returns and the W takes
-    weight_only_outputs: frozenset[int]  # outputs that depend on weights alone: the W's
+    alone: tuple[int, ...]  # the differentiable outputs made from weights alone: the W's
 
 
 def _halves(
@@ -243,7 +244,7 @@ def _halves(
         got = gradients(trainable, inputs[:n_args] + reading, grad_ys)
         return got[:n_args] + [None if g is None else tf.convert_to_tensor(g) for g in got[n_args:]]
 
-    b, b_got = tf_compat.part_gradient(concrete, _specs(trainable), b_body)
+    _, b, b_got = tf_compat.part_gradient(concrete, _specs(trainable), b_body)
     reached = [t for t, g in zip(reading, b_got[n_args:]) if g is not None]
     alone = [j for j, t in enumerate(outputs) if id(t) in only and _differentiable(t.dtype)]
 
@@ -271,32 +272,17 @@ def _halves(
                 through.append(t)
                 their.append(tf.add_n([tf.convert_to_tensor(g) for g in got]))
         back = gradients(through, inputs, their) if through else [None] * len(inputs)
-        return [
-            _sum([g for g in (back[k], *direct.get(id(t), [])) if g is not None])
-            for k, t in enumerate(inputs)
-        ]
+        return [sparse.combine([back[k], *direct.get(id(t), [])], False) for k, t in enumerate(inputs)]
 
-    w, _ = tf_compat.part_gradient(concrete, _specs(reached + [outputs[j] for j in alone]), w_body)
-    first = tf_compat.forward_feeding(concrete, w)
-    found = (first, b, w, _Frontier(len(reached), frozenset(alone)), n)
+    # The W's forward also outputs what the B reads: the one forward the stage runs.
+    first, w, _ = tf_compat.part_gradient(concrete, _specs(reached + [outputs[j] for j in alone]), w_body)
+    found = (first, b, w, _Frontier(len(reached), tuple(alone)), n)
     fns.split_halves[key] = (concrete, found)  # the trace kept alive with what was made of it
     return found
 
 
 def _specs(tensors: list[tf.Tensor]) -> list[tf.TensorSpec]:
     return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
-
-
-def _sum(parts: list[Any]) -> Any:
-    """Gradient parts added: rows stay rows where every part is rows."""
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    if all(isinstance(g, tf.IndexedSlices) for g in parts):
-        values, indices = tf.concat([g.values for g in parts], 0), tf.concat([g.indices for g in parts], 0)
-        return tf.IndexedSlices(values, indices, parts[0].dense_shape)
-    return tf.add_n([tf.convert_to_tensor(g) for g in parts])
 
 
 def _weight_readers(graph: Any, handles_at: set[int]) -> tuple[list[tuple[Any, list, list, list]], set[int]]:

@@ -239,18 +239,20 @@ def forward_backward(concrete: Any) -> tuple[Any, Any, int]:
 
 def part_gradient(
     concrete: Any, signature: Sequence[Any], body: Callable[..., list[Any]]
-) -> tuple[Any, list[Any]]:
-    """A gradient function of part of a traced function: ``(backward, what body returned)``.
+) -> tuple[Any, Any, list[Any]]:
+    """A gradient function of part of a traced function: ``(forward, backward, what body
+    returned)``.
 
     ``body(gradients, *grad_ys)`` (``grad_ys``: placeholders of ``signature``) returns the
     function's results, building them with ``gradients(ys, xs, grad_ys, stops=())``:
     ``tf.gradients`` of tensors of ``concrete``'s graph, ``stops`` held constant (None where
     unconnected). ``backward`` is called with ``call_backward``; what it reads of the
-    function's intermediates becomes more outputs of that graph, which ``forward_feeding``
-    makes into a forward. ZB-H1 splits a stage's backward in two such functions
-    (``tf_gpipe.stash``). Uses what TensorFlow builds its own gradient of a call with
-    (``gradients_util._GradientsHelper`` over the function's graph, ``func_graph_from_py_func``,
-    ``concrete_function._create_forward_backward_with_graph``).
+    function's intermediates becomes more outputs of that graph. ``forward`` (called with
+    ``call_forward``) returns them after the function's outputs, for this part and every
+    part made before it: the last part's forward feeds them all. ZB-H1 splits a stage's
+    backward in two such functions (``tf_gpipe.stash``). Uses what TensorFlow builds its
+    own gradient of a call with (``gradients_util._GradientsHelper`` over the function's
+    graph, ``func_graph_from_py_func``, ``concrete_function._create_forward_backward_with_graph``).
     """
     helper = _private("tensorflow.python.ops.gradients_util", "_GradientsHelper", _SPLIT)
     func_graph = importlib.import_module("tensorflow.python.framework.func_graph")
@@ -276,19 +278,6 @@ def part_gradient(
             if id(getattr(c, "graph", None)) == id(graph) and id(c) not in outputs:
                 outputs.add(id(c))
                 graph.outputs.append(c)
-    return _pair(concrete, backward_graph)[1], returned
-
-
-_SPLIT = "split a stage's backward into ZB-H1's input and weight halves"
-
-
-def forward_feeding(concrete: Any, backward: Any) -> Any:
-    """The forward (called with ``call_forward``) that also outputs what every
-    ``part_gradient`` of ``concrete`` made so far reads; ``backward``: the last of them."""
-    return _pair(concrete, backward.graph)[0]
-
-
-def _pair(concrete: Any, backward_graph: Any) -> tuple[Any, Any]:
     make = _private(
         "tensorflow.python.eager.polymorphic_function.concrete_function",
         "_create_forward_backward_with_graph",
@@ -297,7 +286,11 @@ def _pair(concrete: Any, backward_graph: Any) -> tuple[Any, Any]:
     attributes = getattr(getattr(concrete, "_inference_function", None), "attributes", None)
     if attributes is None:
         raise _gone("ConcreteFunction._inference_function.attributes", "split a stage's backward")
-    return make(attributes, concrete.graph, backward_graph)
+    forward, backward = make(attributes, graph, backward_graph)
+    return forward, backward, returned
+
+
+_SPLIT = "split a stage's backward into ZB-H1's input and weight halves"
 
 
 def call_forward(forward: Any, flat_inputs: Sequence[Any]) -> list[Any]:
