@@ -81,9 +81,10 @@ def mixed_float16():
 @pytest.fixture
 def stage_traces(monkeypatch):
     """``stage_traces(model)``: per stage, how often its forward and backward bodies were
-    traced, and the ``(inputs, weights)`` of each backward's ``stage.Part`` traced
-    (``"halves"``). Counted by wrapping the stage functions' Python bodies: the library
-    keeps no counters of its own."""
+    traced, the ``(inputs, weights)`` of each backward's ``stage.Part`` traced
+    (``"halves"``), and how often its replay was traced to be split (``"replays"``: ZB-H1's
+    B of a re-materialized stage, ``tf_gpipe.stash.replay``). Counted by wrapping the stage
+    functions' Python bodies: the library keeps no counters of its own."""
     import functools
     import inspect
 
@@ -92,7 +93,7 @@ def stage_traces(monkeypatch):
     counts: dict = {}
 
     def entry(fns):
-        return counts.setdefault(id(fns.cell), {"forward": 0, "backward": 0, "halves": set()})
+        return counts.setdefault(id(fns.cell), {"forward": 0, "backward": 0, "halves": set(), "replays": 0})
 
     run_forward = stage.StageFunctions._run_forward
     backward_body = stage.StageFunctions._backward_body
@@ -113,6 +114,14 @@ def stage_traces(monkeypatch):
         found["halves"].add((bool(part.inputs), bool(part.weights)))
         return backward_body(self, *args, **kwargs)
 
+    replay_body = stage.StageFunctions._replay_split_body
+
+    @functools.wraps(replay_body)
+    def counted_replay(self, *args, **kwargs):
+        entry(self)["replays"] += 1
+        return replay_body(self, *args, **kwargs)
+
+    monkeypatch.setattr(stage.StageFunctions, "_replay_split_body", counted_replay)
     monkeypatch.setattr(stage.StageFunctions, "_run_forward", counted_forward)
     monkeypatch.setattr(stage.StageFunctions, "_backward_body", counted_backward)
 

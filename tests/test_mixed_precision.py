@@ -69,10 +69,19 @@ def test_layer_losses_are_loss_scaled_like_the_main_loss(policy, schedule):
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
-@pytest.mark.parametrize("schedule,loops", [("gpipe", True), ("zb-h1", True), ("1f1b", False)])
-def test_a_float16_layer_loss_trains(policy, schedule, loops):
+@pytest.mark.parametrize(
+    "schedule,loops,remat",
+    [
+        ("gpipe", True, "always"),
+        ("zb-h1", True, "always"),
+        ("zb-h1", False, "never"),
+        ("1f1b", False, "always"),
+    ],
+)
+def test_a_float16_layer_loss_trains(policy, schedule, loops, remat):
     """An activity regularizer in float16 (Keras' own fit fails to add it to its float32
-    loss) trains as an unsplit step that adds it in float32 does."""
+    loss) trains as an unsplit step that adds it in float32 does; under zb-h1 its float32
+    weight reaches the split backward as float16 (``stash.backward``)."""
 
     def layers():
         keras.utils.set_random_seed(0)
@@ -81,7 +90,13 @@ def test_a_float16_layer_loss_trains(policy, schedule, loops):
                 keras.layers.Dense(3, dtype="float32")]  # fmt: skip
 
     seq, pm = pair(
-        layers, (None, 8), num_stages=3, num_micro_batches=2, schedule=schedule, micro_batch_loops=loops
+        layers,
+        (None, 8),
+        num_stages=3,
+        num_micro_batches=2,
+        schedule=schedule,
+        micro_batch_loops=loops,
+        remat=remat,
     )
     x, y = data(7)  # micro-batches of 4 and 3
     ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -1,6 +1,6 @@
-"""ZB-H1's two backward halves of a stage that keeps its activations (``remat="never"``):
-the B makes the activation gradients once, the W makes the weight gradients from what the B
-handed it (``tf_gpipe.stash``, split), without a second pass of the chain."""
+"""ZB-H1's two backward halves (``tf_gpipe.stash``, split): the B makes the activation
+gradients once, the W makes the weight gradients from what the B handed it, without a
+second pass of the chain; a re-materialized stage's B replays it once for both."""
 
 import collections
 
@@ -66,11 +66,11 @@ def test_split_halves_train_as_the_unsplit_model(cpu_devices, loops):
     assert_all_close(pm.get_weights(), seq.get_weights(), rtol=TRAINED_TOL, atol=TRAINED_TOL)
 
 
-def _matmuls(cpu_devices, schedule, loops):
+def _matmuls(cpu_devices, schedule, loops, remat):
     x, y = data(16)
     pm = tf_gpipe.PipelineModel(
         mlp_layers(depth=5), num_stages=3, num_micro_batches=4, devices=cpu_devices[:3],
-        schedule=schedule, remat="never", micro_batch_loops=loops,
+        schedule=schedule, remat=remat, micro_batch_loops=loops,
     )  # fmt: skip
     pm.compile(optimizer="sgd", loss=LOSS)
     found = collections.Counter()
@@ -81,11 +81,14 @@ def _matmuls(cpu_devices, schedule, loops):
     return found
 
 
-@pytest.mark.parametrize("loops", [True, False])
-def test_the_weight_half_does_not_compute_the_input_half_again(cpu_devices, loops):
-    """Per device, the step's matmuls (forward, input and weight gradients) under zb-h1 are
-    1F1B's: each stage's W multiplies the gradients its B made, once per weight."""
-    assert _matmuls(cpu_devices, "zb-h1", loops) == _matmuls(cpu_devices, "1f1b", loops)
+# Built out, a re-materialized stage's backward is a call the partition graphs do not open:
+# test_guarantees' timeline counts its replays instead.
+@pytest.mark.parametrize("loops,remat", [(True, "never"), (False, "never"), (True, "always")])
+def test_the_weight_half_does_not_compute_the_input_half_again(cpu_devices, loops, remat):
+    """Per device, the step's matmuls (forward, replay, input and weight gradients) under
+    zb-h1 are 1F1B's: each stage's W multiplies the gradients its B made, once per weight;
+    re-materialized, only the B replays the forward."""
+    assert _matmuls(cpu_devices, "zb-h1", loops, remat) == _matmuls(cpu_devices, "1f1b", loops, remat)
 
 
 def _recurrent():

@@ -176,6 +176,11 @@ def backward(
     if not part.weights:
         variables = []
 
+    # ZB-H1's B of a re-materialized stage: one replay, which the W then reads
+    # (``stash.replay``); eagerly, each half replays the stage.
+    replayed_b = record.tape is None and record.plan is None and part.inputs and not part.weights
+    if replayed_b and not tf.executing_eagerly():
+        stash.replay(cell, record, training, [*output_grads, *loss_grads], tracer)
     if record.plan is not None:
         assert record.kept is not None
         plan = record.plan

@@ -146,6 +146,10 @@ class StageFunctions:
         # two parts (ZB-H1's B and W): the gate's one gradient would make both at once.
         self._forward_split = tf.function(self._forward_split_body, **taped)
         self._forward_split_inlined = tf.function(self._forward_split_body, **taped)
+        # The replay as such a function: ZB-H1's B of a re-materialized stage replays the
+        # stage once and its W differentiates only the ops that read a weight.
+        self._replay_split = tf.function(self._replay_split_body, **taped)
+        self._replay_split_inlined = tf.function(self._replay_split_body, **taped)
         # Per traced forward (``id``): ``tf_gpipe.stash``'s functions for its two halves.
         self.split_halves: dict[int, Any] = {}
         self._backward_inlined = tf.function(self._backward_body, jit_compile=jit_compile, **inline)
@@ -157,6 +161,7 @@ class StageFunctions:
             self._forward_inlined, self._backward_inlined = self._forward, self._backward
             self._forward_taped_inlined = self._forward_taped
             self._forward_split = self._forward_split_inlined = self._forward_split_body
+            self._replay_split = self._replay_split_inlined = self._replay_split_body
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -199,6 +204,13 @@ class StageFunctions:
         fn = self._forward_split_inlined if is_inlined() else self._forward_split
         return fn, (mb, self._defers(deferred, mb.training))
 
+    def replay_split_call(self, mb: MicroBatch, pooled: bool, before: list[Any]) -> tuple[Any, tuple]:
+        """The replay of micro-batch ``mb``'s forward as a function ``tf_gpipe.stash`` splits
+        into a B and a W (``split_call``'s, for a re-materialized stage); ``before`` and
+        ``pooled`` as for ``backward``."""
+        fn = self._replay_split_inlined if is_inlined() else self._replay_split
+        return fn, (mb, self._defers(pooled, mb.training), list(before))
+
     def collect_moments(self, deferred: Any, training: Any, moments: list[Any]) -> None:
         """Pool a forward's BatchNormalization moments into ``deferred``, where it defers them."""
         if self._defers(deferred, training):
@@ -231,6 +243,15 @@ class StageFunctions:
 
     def _forward_split_body(self, mb, defer):
         return self._run_forward(mb, defer, "ungated")
+
+    def _replay_split_body(self, mb, defer, before):
+        inputs, mask, side, _, training = mb
+        state = list(zip(self._written[(training, defer)], before))
+        record = replay.Record(inputs, mask, None, None, [], replay_state=state, side=side)
+        scope = tf.name_scope(f"stage{self.cell.index}_replay")
+        with tf.device(self.cell.device), scope, py_functions.replayed():
+            outputs, losses = replay.run(self.cell, record, training)
+        return outputs, None, losses, [], []  # the forward's structure: nothing written, no moments
 
     def _run_forward(self, mb, defer, taped_inputs):
         """``taped_inputs``: None for the forward a replay follows; True or False (whether

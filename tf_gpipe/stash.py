@@ -136,26 +136,62 @@ def forward(
     backward comes as ZB-H1's two halves (``Plan``; the stage's inputs take gradients).
     """
     fns = stage.functions(cell)
-    halves = None
+    made = _halved(cell, *fns.split_call(mb, deferred), mb) if split else None
+    if made is None:
+        made = _halved(cell, *fns.taped_call(mb, deferred, input_grads), mb, split=False)
+    assert made is not None
+    (outputs, out_mask, losses, before, moments), kept, plan = made
+    fns.collect_moments(deferred, mb.training, moments)
+    if out_mask is not None:
+        attach_mask(outputs, out_mask)
+    return outputs, out_mask, list(losses), list(before), kept, plan
+
+
+def replay(cell: Cell, record: Any, training: Any, arrived: list[Any], tracer: Any = None) -> bool:
+    """ZB-H1's B of a re-materialized stage: replay ``record``'s forward (``tf_gpipe.replay``)
+    once the gradients ``arrived``, as the forward half of a split backward, and keep in
+    ``record`` what its B reads (``record.kept``, ``record.plan``). Then the B and the W
+    are a kept stage's (``forward(split=True)``): the W differentiates only the ops that read
+    a weight, from the gradients the B hands on, and holds what it reads of the replay from
+    the B to the W. Replayed in each half instead, the W would make the stage's activation
+    gradients a second time. False, and ``record`` unchanged, where the stage's backward is
+    not split (a weight read inside a loop, ``_halves``). ``tracer``: a timeline's
+    ``(Recorder, device, tag)``, marking the end of the replay."""
+    inputs, mask, side = ordering.after(arrived, (record.inputs, record.mask, record.side))
+    mb = MicroBatch(inputs, mask, side, None, training)
+    fn, args = stage.functions(cell).replay_split_call(mb, record.pooled, record.before)
+    made = _halved(cell, fn, args, mb)
+    if made is None:
+        return False
+    (outputs, _, losses, _, _), kept, plan = made
+    if tracer is not None:
+        recorder, device, tag = tracer
+        mark = recorder.marker("replayed " + tag, device, tf.nest.flatten(outputs) + list(losses))
+        kept = ordering.after([mark], kept)
+    record.kept, record.plan = kept, plan
+    return True
+
+
+def _halved(
+    cell: Cell, fn: Any, args: tuple, mb: MicroBatch, split: bool = True
+) -> tuple[tuple, list, Plan] | None:
+    """``fn`` (a stage function returning ``(outputs, out_mask, losses, before, moments)``)
+    called on ``args`` as its forward half: what it returns, what it keeps for its backward
+    half, and the plan. ``split``: as ZB-H1's B and W; None where ``_halves`` refuses."""
+    concrete, flat_args, captured, variable_positions = _traced(cell, fn, args)
     if split:
-        fn, args = fns.split_call(mb, deferred)
-        concrete, flat_args, captured, variable_positions = _traced(cell, fn, args)
         weighed = [p for p in variable_positions if p >= 0]
-        halves = _halves(fns, concrete, len(flat_args), weighed)
-    if halves is None:
-        fn, args = fns.taped_call(mb, deferred, input_grads)
-        concrete, flat_args, captured, variable_positions = _traced(cell, fn, args)
-        first, second, n = tf_compat.forward_backward(concrete)
-    else:
+        halves = _halves(stage.functions(cell), concrete, len(flat_args), weighed)
+        if halves is None:
+            return None
         first, second, weights_fn, frontier, n = halves
+    else:
+        first, second, n = tf_compat.forward_backward(concrete)
     graph_inputs = list(concrete.graph.inputs)
     graph_outputs = list(first.graph.outputs)
     with tf.device(cell.device):  # the handles as the loop packed them (``tf_gpipe.handles``)
         produced = tf_compat.call_forward(first, flat_args + handles.fed(captured))
-    outputs, out_mask, losses, before, moments = concrete.function_type.pack_output(produced[:n])
-    fns.collect_moments(deferred, mb.training, moments)
-    if out_mask is not None:
-        attach_mask(outputs, out_mask)
+    returned = concrete.function_type.pack_output(produced[:n])
 
     keep = _Kept(cell, produced, graph_outputs, graph_inputs, flat_args + captured, len(flat_args))
     feeds = keep.feeds(second)
@@ -175,9 +211,9 @@ def forward(
         at += t is not None
     trainable = [j for j in range(n) if _differentiable(graph_outputs[j].dtype)]
     specs = _specs(graph_outputs[:n])
-    if halves is None:
+    if not split:
         plan = Plan(second, feeds, trainable, specs, slots, positions, variable_positions)
-        return outputs, out_mask, list(losses), list(before), keep.kept, plan
+        return returned, keep.kept, plan
     weights_from = keep.restart()
     no_inputs, no_variables = [-1] * len(positions), [-1] * len(variable_positions)
     weights = Plan(
@@ -187,7 +223,7 @@ def forward(
     plan = Plan(
         second, feeds, trainable, specs, slots, positions, no_variables, len(flat_args), weights, weights_from
     )
-    return outputs, out_mask, list(losses), list(before), keep.kept, plan
+    return returned, keep.kept, plan
 
 
 def _traced(cell: Cell, fn: Any, args: tuple) -> tuple[Any, list[Any], list[Any], list[int]]:
@@ -387,6 +423,8 @@ def backward(
                     "that nothing differentiates; use remat='always' or micro_batch_loops=False."
                 )
             g = tf.zeros(spec.shape, spec.dtype)
+        elif g.dtype != plan.output_specs[j].dtype:  # a float16 layer's loss, weighed in float32
+            g = tf.cast(g, plan.output_specs[j].dtype)
         grads_in.append(g)
     with tf.device(cell.device):
         feeds = []
