@@ -161,9 +161,9 @@ def test_a_stage_holds_the_layers_before_the_one_whose_backward_runs():
 
 
 def test_a_split_backward_is_priced_as_the_engine_runs_it():
-    # zb-h1's W differentiates w.r.t. the weights only. Re-materialized, from its own replay:
-    # it runs again the backward of every layer above the stage's lowest layer with weights.
-    # Keeping its activations, from the gradients its B handed on: each layer's weight half.
+    # zb-h1's W differentiates w.r.t. the weights only, from the gradients its B handed on:
+    # each layer's weight half. A W that replayed its stage (stage 0's, which has no B) would
+    # run again the backward of every layer above the stage's lowest layer with weights.
     # Per example: full backward, input half, weight half; the bottom layer has no weights.
     def layer(name, params, full, inp, wgt):
         return LayerProfile(
@@ -188,12 +188,13 @@ def test_a_split_backward_is_priced_as_the_engine_runs_it():
     # A first stage whose bottom layer has no weights: neither half runs that layer's backward.
     (first,) = predict.stage_costs(ModelProfile(stage, Affine(0.0, 0.0), Affine(0.0, 0.0)), [3], 2)
     assert first.backward_s == first.weight_grad_s == 2 * (1.0 + 4.0) and first.input_grad_s == 0.0
-    # The simulation gets B and W so; re-materialized, each replays the forward (not stage 0's B).
+    # The simulation gets B and W so; re-materialized, stage 1's B replays the forward, and
+    # stage 0's W (it has no B).
     zb = schedules.get("zb-h1", 2, 2)
     for remat in ([False, False], [True, True]):
         f = [s0.forward_s, s1.forward_s]
         b = [0.0, s1.input_grad_s + f[1] * remat[1]]
-        w = [s.weight_grad_s + x if r else s.kept_weight_grad_s for s, x, r in zip([s0, s1], f, remat)]
+        w = [s0.weight_grad_s + f[0] if remat[0] else s0.kept_weight_grad_s, s1.kept_weight_grad_s]
         expected = zb.simulate(f, [x + y for x, y in zip(b, w)], weight_cost=w).makespan
         seconds, _, timeline = predict.step_time(zb, [s0, s1], remat)
         assert seconds == expected

@@ -14,13 +14,11 @@ actions to the next (each micro-batch's record, the gradients sent to it, its gr
 sums) is the stage's, and the step passes each micro-batch's outputs on and its input
 gradients back.
 
-A split schedule (zb-h1) runs each backward as two actions, each its own stage-function
-call: ``B`` differentiates w.r.t. the stage input only (what the previous stage waits
-for) and keeps the forward's record and the gradient it received; the later ``W``
-differentiates w.r.t. the weights only and adds them to the gradient sums. A
-re-materialized stage replays its forward in both (twice the recomputation of a full
-backward: simple and exact, not free); a stage on a tape keeps its record until W, which
-differentiates the taped call again, first-order (``cell_pass.backward``).
+A split schedule (zb-h1) runs each backward as two actions: ``B`` differentiates w.r.t.
+the stage input (what the previous stage waits for) and w.r.t. the outputs of the ops
+that read a weight, and keeps what its ``W`` reads; the later ``W`` differentiates those ops
+w.r.t. the weights and adds the gradients to the sums (``tf_gpipe.stash``). A
+re-materialized stage's ``B`` replays its forward first, once for both halves.
 
 ``run_forward`` builds the forward alone (``PipelineModel.__call__``, ``evaluate``,
 ``predict``): the schedule's ``F`` actions in its order, each micro-batch's forward

@@ -72,8 +72,8 @@ class PipelineModel(keras.Model):
             smaller bubble; needs ``num_micro_batches % num_stages == 0``) or
             ``"zb-h1"`` (zero bubble: 1F1B with each backward run as two calls,
             the input gradient first and the weight gradient later, in the
-            bubble; at most K micro-batches in flight on every device; each half
-            replays a re-materialized stage, so its forward is recomputed twice).
+            bubble; at most K micro-batches in flight on every device; a
+            re-materialized stage is replayed once, in the first half).
             All but ``"gpipe"`` compute the loss per micro-batch, so it must reduce by
             ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``; a masked
             output's loss is exact, but not together with losses that layers

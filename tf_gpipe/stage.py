@@ -148,7 +148,10 @@ class StageFunctions:
         self._forward_split_inlined = tf.function(self._forward_split_body, **taped)
         # The replay as such a function: ZB-H1's B of a re-materialized stage replays the
         # stage once and its W differentiates only the ops that read a weight.
-        self._replay_split = tf.function(self._replay_split_body, **taped)
+        # Built out, its halves are calls, as the backward they replace (``options``).
+        self._replay_split = tf.function(
+            self._replay_split_body, **taped, experimental_attributes={"_noinline": True}
+        )
         self._replay_split_inlined = tf.function(self._replay_split_body, **taped)
         # Per traced forward (``id``): ``tf_gpipe.stash``'s functions for its two halves.
         self.split_halves: dict[int, Any] = {}
@@ -328,10 +331,9 @@ class StageFunctions:
         gradient sums instead, and ``(token, rows)`` comes in their place. ``tracer``, a
         ``(Recorder, device, tag)`` triple, marks the end of the recomputation on a timeline.
 
-        ``part`` (``Part``) says which gradients: each half of a split backward replays the
-        forward on its own, so a split backward recomputes the stage's forward twice, and
-        the activation gradients that both halves need, once per half: correct, simple,
-        and more compute than one full backward.
+        ``part`` (``Part``) says which gradients: ZB-H1's W of stage 0, which has no B; and
+        each half where the stage's backward is not split (``stash.replay``), each half then
+        replaying the stage and making the activation gradients again.
         """
         part = part.normalized()
         defer = self._defers(pooled, mb.training)

@@ -3,11 +3,10 @@
 Time: each stage's forward and backward are the sums of its layers' (a re-materialized
 stage's backward adds its forward again), and the schedule's simulation
 (``Schedule.simulate``) gives the step time and bubble. A split schedule's (zb-h1) B and W
-are priced as the engine runs them: B differentiates w.r.t. the stage input only; a stage
-that keeps its activations hands W the gradients at each op that reads a weight, and W
-runs each layer's weight half alone; a re-materialized one replays the forward in each, so
-its W computes again the gradients of the activations above the stage's lowest layer with
-weights (:func:`_backward_halves`).
+are priced as the engine runs them: B differentiates w.r.t. the stage input only (after
+replaying the forward, re-materialized) and hands W the gradients at each op that reads a
+weight, and W runs each layer's weight half alone (:func:`_backward_halves`). Stage 0 has
+no B: its W is its whole backward (after a replay, re-materialized).
 
 Memory per device: weights, optimizer slots and gradient sums, plus activations walked
 through the device's own order of actions: a forward leaves its stash (the stage input
@@ -15,13 +14,14 @@ with re-materialization, every tensor the backward keeps without), a backward fr
 While a backward runs, the micro-batch's own activations (re-computed, with remat) are
 live up to the layer whose backward runs, beside that layer's measured peak (its
 gradients and buffers: ``LayerProfile.backward_peak``) and every other stash still held.
-Split: W frees the stash, and the output gradient its B kept; a B on a tape frees nothing
-as it goes (W reads every kept tensor). After the last backward the optimizer update
-runs: its temporaries (:class:`UpdateCost`, measured per optimizer) beside the weights,
-slots and gradients, when the activations are gone; a device's peak is the larger of the
-two phases. Static bytes include, with gradient sums, the constants the step function
-holds to zero them (one per distinct weight shape and stage). Ignored: the loss, the
-traced graph, allocator fragmentation and the copies between devices.
+Split: W frees the stash, and the output gradient its B kept; a B frees nothing as it goes
+(W reads every kept tensor), and a re-materialized stage's B leaves W what its replay kept.
+After the last backward the optimizer update runs: its temporaries (:class:`UpdateCost`,
+measured per optimizer) beside the weights, slots and gradients, when the activations are
+gone; a device's peak is the larger of the two phases. Static bytes include, with gradient
+sums, the constants the step function holds to zero them (one per distinct weight shape
+and stage). Ignored: the loss, the traced graph, allocator fragmentation and the copies
+between devices.
 """
 
 from __future__ import annotations
@@ -129,8 +129,9 @@ def _backward_halves(
     ``weight`` (W of a re-materialized stage): the weight gradient of a layer needs the
     gradient of its output, which its replay must make again, so from the top down to the
     lowest layer with weights W runs each layer's whole backward and that layer's weight
-    half; below it, nothing. ``kept weight`` (W of a stage that keeps its activations):
-    every layer's weight half, from the gradients its B handed on (``tf_gpipe.stash``).
+    half; below it, nothing (what a W that replayed its stage would run). ``kept weight``
+    (the W the engine runs after a split B, ``tf_gpipe.stash``): every layer's weight half,
+    from the gradients its B handed on.
     The first stage computes no input gradient: its full backward is its W (and its split
     B does nothing)."""
     full = [p.backward_s.at(n) for p in profiles]
@@ -246,7 +247,7 @@ def step_time(
     schedule: Schedule, stages: Sequence[StageCost], remat: Sequence[bool], shared_host: bool = False
 ) -> tuple[float, float, Timeline]:
     """``(seconds, bubble, timeline)`` of one step: a re-materialized backward replays the forward,
-    a split one in B (but on the first stage, whose B does nothing) and again in W.
+    a split one in B (in W on the first stage, whose B does nothing).
     ``shared_host``: the devices share one host's processors (logical CPUs of one machine):
     the simulation shares them among the running actions' layers (``Schedule.simulate``'s
     ``host_share``), from each layer's measured share."""
@@ -260,12 +261,18 @@ def step_time(
         host = {"F": [list(g["F"]) for g in seg]}  # type: ignore[index]
         if schedule.split_backward:
             host["B"] = replayed("I", [r and i > 0 for i, r in enumerate(remat)])
-            host["W"] = [list(g["F"]) + list(g["W"]) if r else list(g["K"]) for g, r in zip(seg, remat)]  # type: ignore[index]
+            host["W"] = [
+                list(g["F"]) + list(g["W"]) if r and i == 0 else list(g["K"])  # type: ignore[index]
+                for i, (g, r) in enumerate(zip(seg, remat))
+            ]
         else:
             host["B"] = replayed("B", remat)
     fwd = [s.forward_s for s in stages]
     if schedule.split_backward:
-        wgt = [s.weight_grad_s + s.forward_s if r else s.kept_weight_grad_s for s, r in zip(stages, remat)]
+        wgt = [
+            s.weight_grad_s + s.forward_s if r and i == 0 else s.kept_weight_grad_s
+            for i, (s, r) in enumerate(zip(stages, remat))
+        ]
         inp = [
             s.input_grad_s + (s.forward_s if r and i > 0 else 0.0)
             for i, (s, r) in enumerate(zip(stages, remat))
@@ -318,6 +325,8 @@ def _events(
             arrives = 0.0 if a.stage == 0 else s.input_bytes
             if a.stage == 0:
                 stash -= s.input_bytes
+            # A re-materialized stage's split B leaves its W what the replay kept.
+            replayed_for_w = split and remat[a.stage] and a.stage > 0
             if a.kind == "F":
                 held = live + arrives
                 spike = s.forward_bytes if remat[a.stage] else s.taped_forward_bytes
@@ -325,16 +334,20 @@ def _events(
             else:
                 # Its own stash is part of what the backward holds (re-built, with remat).
                 own = stash + (s.input_bytes if a.stage == 0 else 0.0)
+                if replayed_for_w and a.kind == "W":
+                    own = s.activation_bytes
                 held = live - own + s.activation_bytes
                 peak = s.backward_bytes
                 if split and a.kind == "B":
                     if a.stage == 0:  # nothing to compute: no replay, no gradients
                         held, peak = live, s.activation_bytes
-                    elif not remat[a.stage]:
+                    else:
                         peak = s.taped_input_grad_bytes
                 spike = max(peak - s.activation_bytes, 0.0)
                 if split:  # the gradient a B received is kept for its W
                     live += s.output_bytes if a.kind == "B" else -s.output_bytes
+                if replayed_for_w and a.kind == "B":
+                    live += s.activation_bytes - own
                 if a.kind == release:
                     live -= own
             rows.append((a, held, spike, live))
