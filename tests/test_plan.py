@@ -237,8 +237,11 @@ def test_a_split_backward_on_a_tape_holds_what_its_w_needs():
     assert predict.device_memory(zb, stage_profile(100.0), never, 0)[1] == max(2150.0, 100.0 + 2100.0)
     # Stage 0's B has no input gradient to compute: only its W peaks.
     assert predict.device_memory(zb, stage_profile(10.0), never, 0)[0] == 10.0 + 2100.0
-    # Re-materialized, B replays and frees as it goes: the full backward's peak.
-    assert predict.device_memory(zb, stage_profile(10.0), [True, True], 0)[1] == 10.0 + 2100.0
+    # Re-materialized, B replays and, as on a tape, holds what its W reads; W replays nothing.
+    assert predict.device_memory(zb, stage_profile(10.0), [True, True], 0)[1] == max(2150.0, 10.0 + 2100.0)
+    # GPipe's backward replays and frees as it goes: the full backward's peak.
+    gpipe = schedules.get("gpipe", 2, 1)
+    assert predict.device_memory(gpipe, stage_profile(10.0), [True, True], 0)[1] == 2100.0
 
 
 def _shapes_profile(layers):
