@@ -244,6 +244,36 @@ def test_a_split_backward_on_a_tape_holds_what_its_w_needs():
     assert predict.device_memory(gpipe, stage_profile(10.0), [True, True], 0)[1] == 2100.0
 
 
+def test_a_split_b_leaves_its_w_what_the_w_reads():
+    """The profile measures what a W reads of a layer and the gradients its B hands it: a
+    Dense(8, relu) on 5 features reads the input (5 floats an example) and one output
+    gradient (8; the bias add's is the same tensor). A micro-batch waiting for its W holds
+    that, not all its stage keeps: the next one's B runs beside less."""
+    keras.utils.set_random_seed(0)
+    prof = profile_layers(
+        [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)], (4, 5), [4, 8], repeats=1
+    )
+    assert prof.layers[0].weight_half_bytes == Affine(0.0, 4 * (5 + 8))
+    assert prof.layers[1].weight_half_bytes == Affine(0.0, 4 * (8 + 3))
+
+    def layer(name):
+        return LayerProfile(
+            name=name, trainable_bytes=0, non_trainable_bytes=0, forward_s=ZERO, backward_s=ZERO,
+            input_bytes=Affine(0.0, 100.0), output_bytes=Affine(0.0, 10.0), saved_bytes=Affine(0.0, 50.0),
+            uses_input=True, saves_output=False, backward_peak=Affine(0.0, 1000.0),
+        )  # fmt: skip
+
+    stages = predict.stage_costs(ModelProfile([layer("a"), layer("b")], ZERO, ZERO), [1, 1], 1)
+    assert stages[1].weight_half_bytes == stages[1].activation_bytes == 150.0  # not measured: all
+    halved = [dataclasses.replace(s, weight_half_bytes=60.0) for s in stages]
+    zb = schedules.get("zb-h1", 2, 2)  # device 1: F0 B0 F1 B1 W0 W1; B1 runs beside W0's wait
+    # Spikes 950 (1100 - 150). All kept: W0 runs beside both halves, 2 x (150 + 10 output
+    # gradient). Measured: B1 runs beside W0's 60 + 10 and its own 150.
+    for remat in ([False, False], [True, True]):
+        full, half = (predict.device_memory(zb, st, remat, 0)[1] for st in (stages, halved))
+        assert (full, half) == (320.0 + 950.0, 220.0 + 950.0)
+
+
 def _shapes_profile(layers):
     """A profile that knows only each layer's weight shapes (what ``sum_zeros_bytes`` reads)."""
     return ModelProfile(

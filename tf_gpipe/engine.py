@@ -17,7 +17,7 @@ gradients back.
 A split schedule (zb-h1) runs each backward as two actions: ``B`` differentiates w.r.t.
 the stage input (what the previous stage waits for) and w.r.t. the outputs of the ops
 that read a weight, and keeps what its ``W`` reads; the later ``W`` differentiates those ops
-w.r.t. the weights and adds the gradients to the sums (``tf_gpipe.stash``). A
+w.r.t. the weights and adds the gradients to the sums (``tf_gpipe.weight_split``). A
 re-materialized stage's ``B`` replays its forward first, once for both halves.
 
 ``run_forward`` builds the forward alone (``PipelineModel.__call__``, ``evaluate``,

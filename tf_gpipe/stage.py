@@ -153,7 +153,7 @@ class StageFunctions:
             self._replay_split_body, **taped, experimental_attributes={"_noinline": True}
         )
         self._replay_split_inlined = tf.function(self._replay_split_body, **taped)
-        # Per traced forward (``id``): ``tf_gpipe.stash``'s functions for its two halves.
+        # Per traced forward (``id``): the functions of its two halves (``tf_gpipe.weight_split``).
         self.split_halves: dict[int, Any] = {}
         self._backward_inlined = tf.function(self._backward_body, jit_compile=jit_compile, **inline)
         # Timeline markers are host callbacks, which XLA cannot compile.

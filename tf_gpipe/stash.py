@@ -21,29 +21,24 @@ once, in the forward.
 ZB-H1 splits each backward into a B (the input gradient) and a W (the weight gradients).
 Two gradients of one call would each compute the stage's activation gradients. So a stage
 that keeps its activations is split at the ops that read its weights instead
-(``forward(split=True)``). Its ungated forward (``StageFunctions.split_call``) gets two
-gradient functions: the B's also returns the gradients at those ops, and the W's
-differentiates those ops alone, from them. What the W reads waits in the record until then,
-in place of every activation.
+(``forward(split=True)``, ``tf_gpipe.weight_split``): its ungated forward
+(``StageFunctions.split_call``) gets two gradient functions, and what the W reads waits in
+the record until then, in place of every activation. A re-materialized stage's B replays
+it, split the same way (``replay``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import handles, keras_compat, ordering, sparse, stage, tf_compat
+from tf_gpipe import handles, keras_compat, ordering, stage, tf_compat, weight_split
 from tf_gpipe.cell import Cell, attach_mask
 from tf_gpipe.microbatch import MicroBatch
 
 __all__: list[str] = []
-
-
-def _differentiable(dtype: tf.DType) -> bool:
-    """What a gradient function takes a gradient for (TensorFlow's ``IsTrainable``)."""
-    return dtype.is_floating or dtype.is_complex or dtype in (tf.resource, tf.variant)
 
 
 @dataclass
@@ -181,7 +176,7 @@ def _halved(
     concrete, flat_args, captured, variable_positions = _traced(cell, fn, args)
     if split:
         weighed = [p for p in variable_positions if p >= 0]
-        halves = _halves(stage.functions(cell), concrete, len(flat_args), weighed)
+        halves = weight_split.halves(stage.functions(cell).split_halves, concrete, len(flat_args), weighed)
         if halves is None:
             return None
         first, second, weights_fn, frontier, n = halves
@@ -209,7 +204,7 @@ def _halved(
     for t in flat_in:
         positions.append(at if t is not None else -1)
         at += t is not None
-    trainable = [j for j in range(n) if _differentiable(graph_outputs[j].dtype)]
+    trainable = [j for j in range(n) if weight_split.differentiable(graph_outputs[j].dtype)]
     specs = _specs(graph_outputs[:n])
     if not split:
         plan = Plan(second, feeds, trainable, specs, slots, positions, variable_positions)
@@ -238,116 +233,8 @@ def _traced(cell: Cell, fn: Any, args: tuple) -> tuple[Any, list[Any], list[Any]
     return concrete, flat_args, captured, [at_handle.get(h, -1) for h in handle_ids]
 
 
-class _Frontier(NamedTuple):
-    held: int  # gradients at ops that read a weight, which the B returns and the W takes
-    alone: tuple[int, ...]  # the differentiable outputs made from weights alone: the W's
-
-
-def _halves(
-    fns: Any, concrete: Any, n_args: int, weighed: list[int]
-) -> tuple[Any, Any, Any, _Frontier, int] | None:
-    """``(forward, B, W, frontier, n)`` for a traced ungated forward, made once per trace;
-    ``weighed``: the positions of the trainable weights' handles among its inputs (a frozen
-    weight, a random generator's state and moving statistics get no W). None where a weight
-    is read inside a loop or a function call (a recurrent layer): the gradient of such an op
-    is made whole, B and W would each make it, so the stage keeps one backward function.
-
-    The B differentiates the outputs w.r.t. the stage's inputs and the outputs of each op
-    that combines a weight (or a value made from weights alone: a read, a cast) with
-    anything else: the activation gradients, once. The W takes those and differentiates
-    each such op alone, its other inputs held constant, then the weights-only ops back to
-    the weights: every path from a weight to the loss leaves the weights-only part of the
-    graph through one such op (or is an output made from weights alone, whose gradient the
-    W takes too), so their parts sum to the weight's gradient, and nothing of the B is
-    computed again.
-    """
-    key = id(concrete)
-    if key in fns.split_halves:
-        return fns.split_halves[key][1]
-    graph = concrete.graph
-    n = len(concrete.function_type.flat_outputs)
-    inputs = list(graph.inputs)
-    handles_at = {id(inputs[k]) for k in weighed}
-    readers, only = _weight_readers(graph, handles_at)
-    if any(op.type in ordering.FUNCTION_OPS for op, _, _, _ in readers):
-        fns.split_halves[key] = (concrete, None)
-        return None
-    reading = [t for _, outs, _, _ in readers for t in outs]
-    outputs = list(graph.outputs[:n])
-    trainable = [t for t in outputs if _differentiable(t.dtype)]
-
-    def b_body(gradients, *grad_ys):
-        got = gradients(trainable, inputs[:n_args] + reading, grad_ys)
-        return got[:n_args] + [None if g is None else tf.convert_to_tensor(g) for g in got[n_args:]]
-
-    _, b, b_got = tf_compat.part_gradient(concrete, _specs(trainable), b_body)
-    reached = [t for t, g in zip(reading, b_got[n_args:]) if g is not None]
-    alone = [j for j, t in enumerate(outputs) if id(t) in only and _differentiable(t.dtype)]
-
-    def w_body(gradients, *grad_ys):
-        dy = {id(t): g for t, g in zip(reached, grad_ys)}
-        parts: dict[int, tuple[tf.Tensor, list[Any]]] = {}
-        for _, outs, weights, others in readers:
-            given = [(t, dy[id(t)]) for t in outs if id(t) in dy]
-            if given:
-                got = gradients([t for t, _ in given], weights, [g for _, g in given], others)
-                for t, g in zip(weights, got):
-                    if g is not None:
-                        parts.setdefault(id(t), (t, []))[1].append(g)
-        for j, g in zip(alone, grad_ys[len(reached) :]):
-            parts.setdefault(id(outputs[j]), (outputs[j], []))[1].append(g)
-        # A read's gradient is its weight's (kept sparse, an embedding's rows); the rest goes
-        # back through the weights-only ops (casts) to the weights.
-        direct: dict[int, list[Any]] = {}
-        through, their = [], []
-        for t, got in parts.values():
-            source = t.op.inputs[0] if t.op.type == "ReadVariableOp" else t
-            if id(source) in handles_at:
-                direct.setdefault(id(source), []).extend(got)
-            else:
-                through.append(t)
-                their.append(tf.add_n([tf.convert_to_tensor(g) for g in got]))
-        back = gradients(through, inputs, their) if through else [None] * len(inputs)
-        return [sparse.combine([back[k], *direct.get(id(t), [])], False) for k, t in enumerate(inputs)]
-
-    # The W's forward also outputs what the B reads: the one forward the stage runs.
-    first, w, _ = tf_compat.part_gradient(concrete, _specs(reached + [outputs[j] for j in alone]), w_body)
-    found = (first, b, w, _Frontier(len(reached), tuple(alone)), n)
-    fns.split_halves[key] = (concrete, found)  # the trace kept alive with what was made of it
-    return found
-
-
 def _specs(tensors: list[tf.Tensor]) -> list[tf.TensorSpec]:
     return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
-
-
-def _weight_readers(graph: Any, handles_at: set[int]) -> tuple[list[tuple[Any, list, list, list]], set[int]]:
-    """In a forward's graph (ops in the order made, an order of their dataflow), each op
-    that reads a trainable weight's handle, or a value made from those alone, together with
-    anything else: ``(op, its float outputs, those inputs, its other inputs)``; and the ids
-    of the tensors made from weights (and constants) alone."""
-    only, free = set(handles_at), set[int]()
-    readers = []
-    for op in graph.get_operations():
-        ins = list(op.inputs)
-        if not ins:
-            if op.type == "Const":
-                free.update(id(t) for t in op.outputs)
-            continue
-        weights = [t for t in ins if id(t) in only]
-        others = [t for t in ins if id(t) not in only and id(t) not in free]
-        if not weights:
-            if not others:
-                free.update(id(t) for t in op.outputs)
-            continue
-        if not others:
-            only.update(id(t) for t in op.outputs)
-            continue
-        weights = [t for t in weights if _differentiable(t.dtype)]
-        outs = [t for t in op.outputs if t.dtype.is_floating or t.dtype.is_complex]
-        if weights and outs:  # else a weight's shape: nothing to differentiate
-            readers.append((op, outs, weights, others))
-    return readers, only
 
 
 # Ops that read a variable and write nothing: a weight only these touch in the forward

@@ -14,8 +14,9 @@ with re-materialization, every tensor the backward keeps without), a backward fr
 While a backward runs, the micro-batch's own activations (re-computed, with remat) are
 live up to the layer whose backward runs, beside that layer's measured peak (its
 gradients and buffers: ``LayerProfile.backward_peak``) and every other stash still held.
-Split: W frees the stash, and the output gradient its B kept; a B frees nothing as it goes
-(W reads every kept tensor), and a re-materialized stage's B leaves W what its replay kept.
+Split: a B frees nothing as it goes, and leaves its W what the W reads (the inputs of the
+ops that read a weight and their gradients: ``LayerProfile.weight_half_bytes``; a
+re-materialized stage's, of its replay), and the output gradient it received; W frees them.
 After the last backward the optimizer update runs: its temporaries (:class:`UpdateCost`,
 measured per optimizer) beside the weights, slots and gradients, when the activations are
 gone; a device's peak is the larger of the two phases. Static bytes include, with gradient
@@ -54,6 +55,7 @@ class StageCost:
     backward_bytes: float  # the most a backward holds: its input, activations, gradients, buffers
     taped_input_grad_bytes: float  # the most a split B on a tape holds: it frees nothing (W reads it all)
     output_bytes: float  # the stage output of one micro-batch: its gradient, kept from B until W
+    weight_half_bytes: float  # what a split B leaves its W (``LayerProfile.weight_half_bytes``)
     trainable_bytes: int
     non_trainable_bytes: int
     # One buffer per distinct weight shape: the zeros that reset the gradient sums each step
@@ -181,6 +183,11 @@ def _stage(profiles: Sequence[LayerProfile], n: int, call: ModelProfile, first: 
         backward_bytes=first_bytes + backward,
         taped_input_grad_bytes=first_bytes + taped_input_grad,
         output_bytes=profiles[-1].output_bytes.at(n),
+        weight_half_bytes=(
+            sum(p.weight_half_bytes.at(n) for p in profiles if p.weight_half_bytes is not None)
+            if all(p.weight_half_bytes is not None for p in profiles)
+            else first_bytes + kept_before  # not measured: all it keeps
+        ),
         trainable_bytes=sum(p.trainable_bytes for p in profiles),
         non_trainable_bytes=sum(p.non_trainable_bytes for p in profiles),
         sum_zeros_bytes=float(
@@ -325,8 +332,8 @@ def _events(
             arrives = 0.0 if a.stage == 0 else s.input_bytes
             if a.stage == 0:
                 stash -= s.input_bytes
-            # A re-materialized stage's split B leaves its W what the replay kept.
-            replayed_for_w = split and remat[a.stage] and a.stage > 0
+            # A split B leaves its W what the W reads (a re-materialized stage's, of its replay).
+            halved = split and a.stage > 0
             if a.kind == "F":
                 held = live + arrives
                 spike = s.forward_bytes if remat[a.stage] else s.taped_forward_bytes
@@ -334,10 +341,10 @@ def _events(
             else:
                 # Its own stash is part of what the backward holds (re-built, with remat).
                 own = stash + (s.input_bytes if a.stage == 0 else 0.0)
-                if replayed_for_w and a.kind == "W":
-                    own = s.activation_bytes
                 held = live - own + s.activation_bytes
                 peak = s.backward_bytes
+                if halved and a.kind == "W":  # it reads what is held already
+                    own, held = s.weight_half_bytes, live
                 if split and a.kind == "B":
                     if a.stage == 0:  # nothing to compute: no replay, no gradients
                         held, peak = live, s.activation_bytes
@@ -346,8 +353,8 @@ def _events(
                 spike = max(peak - s.activation_bytes, 0.0)
                 if split:  # the gradient a B received is kept for its W
                     live += s.output_bytes if a.kind == "B" else -s.output_bytes
-                if replayed_for_w and a.kind == "B":
-                    live += s.activation_bytes - own
+                if halved and a.kind == "B":
+                    live += s.weight_half_bytes - own
                 if a.kind == release:
                     live -= own
             rows.append((a, held, spike, live))

@@ -30,7 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, weight_split
 from tf_gpipe.balance.profile import listed_layers, median_times, nbytes, run_unsplit, sandbox
 from tf_gpipe.cell import layer_kwargs
 from tf_gpipe.partition import cuts_keeping, shared_weights, tied
@@ -85,6 +85,9 @@ class LayerProfile:
     model's first layer gets no input gradient, so its first is zero and its second
     its backward. None where not measured (a hand-made profile): half the backward each.
     ``weight_shapes``: (shape, bytes per element) of each trainable weight.
+    ``weight_half_bytes``: what a split backward's W holds of the layer from its B (the
+    inputs, but the weights, of its ops that read a weight, and their output gradients:
+    ``tf_gpipe.stash``); None where not measured (then all it keeps).
     ``host_share``: the share of the host's processors its forward and backward keep busy
     while they run alone (processor seconds over wall seconds times processors, at the
     larger size, in ``[0, 1]``): what devices that share one host (logical CPUs) contend
@@ -107,6 +110,7 @@ class LayerProfile:
     weight_grad_s: Affine | None = None
     weight_shapes: tuple[tuple[tuple[int, ...], int], ...] = ()
     host_share: float | None = None
+    weight_half_bytes: Affine | None = None
 
 
 @dataclass(frozen=True)
@@ -204,9 +208,7 @@ def _taped_step(
         grads = []  # nothing to differentiate, or nothing to differentiate by
         if flat and sources:
             # As the stages differentiate (``replay.tape_gradients``, ``tf_gpipe.gated``):
-            # tf.gradients gated, each op handing on its gradients together. Measured on a
-            # Transformer block (n = 64): its backward 7.4-7.5 ms gated, as a separate call
-            # too, against 6.1-6.4 ms ungated.
+            # tf.gradients gated, each op handing on its gradients together.
             grads = tf.gradients(
                 flat,
                 [keras_compat.backing_variable(v) if isinstance(v, keras.Variable) else v for v in sources],
@@ -225,10 +227,7 @@ def _kept(graph: Any, marks: dict) -> tuple[int, bool, bool]:
     whether it keeps the input; whether it keeps the output), from the traced graph of
     :func:`_taped_step`. A kept view (a reshape) counts as its source. Only the gradient ops
     that need the output gradient wait for the backward; the others (reading forward tensors
-    only) run as soon as their inputs exist, so their outputs are kept, not their inputs.
-    Measured (MobileNet with ``Work``, whose backward reads a slice of its output), per
-    device, measured / predicted: 0.82-0.87 counting every tensor any gradient op reads,
-    0.98-1.07 this way."""
+    only) run as soon as their inputs exist, so their outputs are kept, not their inputs."""
     ops = graph.get_operations()
     # Backward ops that need no output gradient (they read forward tensors only) run as soon
     # as the forward has made their inputs, while it runs; only what the others read is kept.
@@ -262,6 +261,20 @@ def _kept(graph: Any, marks: dict) -> tuple[int, bool, bool]:
             continue  # no activation, or a size only known at run time: not counted
         internal += int(np.prod(t.shape.as_list())) * t.dtype.size
     return internal, uses_input, saves_output
+
+
+def _weight_half(layer: keras.layers.Layer, mask: Any, x: Any) -> int | None:
+    """``weight_split.weight_half_bytes`` of the layer's forward on ``x``."""
+    kwargs = layer_kwargs(layer, mask, True)
+    concrete = tf.function(lambda t: layer(t, **kwargs), autograph=False).get_concrete_function(x)
+    n_args = len([t for t in tf.nest.flatten(x) if t is not None])
+    at = {id(h): n_args + i for i, h in enumerate(concrete.captured_inputs)}
+    handles = [keras_compat.backing_variable(v).handle for v in layer.trainable_weights]
+    return weight_split.weight_half_bytes(concrete, n_args, [at[id(h)] for h in handles if id(h) in at])
+
+
+def _fit_known(n1: int, v1: float | None, n2: int, v2: float | None) -> Affine | None:
+    return None if v1 is None or v2 is None else Affine.fit(n1, v1, n2, v2)
 
 
 def allocator_name(device: str) -> str | None:
@@ -395,8 +408,9 @@ def profile_layers(
             # above what a Transformer's devices held, the ungated within 2-15%.
             peaks = _peaks(ungated, allocator) if allocator else None
             kept = [_kept(read.get_concrete_function(x).graph, marks) for read, marks, x in taped[1:]]
-        per_size.append((n, records, times, kept, peaks, cpu))
-    (n1, rec1, t1, k1, p1, _), (n2, rec2, t2, k2, p2, cpu2) = per_size[0], per_size[-1]
+            w_held = [_weight_half(layer, mask, x) for layer, x, (_, mask, _) in timed[1:]]
+        per_size.append((n, records, times, kept, peaks, cpu, w_held))
+    (n1, rec1, t1, k1, p1, _, w1), (n2, rec2, t2, k2, p2, cpu2, w2) = per_size[0], per_size[-1]
     processors = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     out = []
     # Entries 0, 1: the empty function's forward and forward+backward; layer i at 2i+2, 2i+3;
@@ -442,6 +456,7 @@ def profile_layers(
                 ),
                 # The taped step (forward and backward) at the larger size.
                 host_share=min(max(cpu2[2 * i + 3] / max(t2[2 * i + 3] * processors, 1e-12), 0.0), 1.0),
+                weight_half_bytes=_fit_known(n1, w1[i], n2, w2[i]),
             )
         )
     spans = tied(layer_list)
