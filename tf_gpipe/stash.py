@@ -150,7 +150,7 @@ def replay(cell: Cell, record: Any, training: Any, arrived: list[Any], tracer: A
     a weight, from the gradients the B hands on, and holds what it reads of the replay from
     the B to the W. Replayed in each half instead, the W would make the stage's activation
     gradients a second time. False, and ``record`` unchanged, where the stage's backward is
-    not split (a weight read inside a loop, ``_halves``). ``tracer``: a timeline's
+    not split (a weight read inside a loop, ``weight_split.halves``). ``tracer``: a timeline's
     ``(Recorder, device, tag)``, marking the end of the replay."""
     inputs, mask, side = ordering.after(arrived, (record.inputs, record.mask, record.side))
     mb = MicroBatch(inputs, mask, side, None, training)
@@ -172,7 +172,7 @@ def _halved(
 ) -> tuple[tuple, list, Plan] | None:
     """``fn`` (a stage function returning ``(outputs, out_mask, losses, before, moments)``)
     called on ``args`` as its forward half: what it returns, what it keeps for its backward
-    half, and the plan. ``split``: as ZB-H1's B and W; None where ``_halves`` refuses."""
+    half, and the plan. ``split``: as ZB-H1's B and W; None where ``weight_split.halves`` refuses."""
     concrete, flat_args, captured, variable_positions = _traced(cell, fn, args)
     if split:
         weighed = [p for p in variable_positions if p >= 0]
