@@ -613,6 +613,8 @@ def test_a_missing_module_fails_loudly(monkeypatch):
             lambda: keras.Sequential([keras.layers.Dense(1)]),
             "_functional",
         ),
+        # Each update reads the step count once per device (``update_on_variable_device``).
+        (keras_compat.update_on_variable_device, lambda: keras.optimizers.Adam(), "_iterations"),
     ],
 )
 def test_a_missing_private_attribute_fails_loudly(hook, make, private):

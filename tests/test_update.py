@@ -191,6 +191,30 @@ def test_every_keras_optimizer_updates_on_its_variables_devices(cpu_devices):
     assert not misplaced, f"optimizer ops on CPU:0, where no variable lives: {misplaced}"
 
 
+def test_each_device_reads_the_step_count_and_learning_rate_once(cpu_devices):
+    """Adam's update of each weight reads the step count and the learning rate, which live
+    on device 0: read once per device and step, each crosses to a stage's device once, not
+    once per weight (read from the partition graphs that ran: a ``_Send`` of a variable's
+    read from CPU:0 to each other device)."""
+    x, y = data(12)
+    pm = tf_gpipe.PipelineModel(
+        mlp_layers(depth=5), num_stages=3, num_micro_batches=3, devices=cpu_devices[:3], schedule="1f1b"
+    )
+    pm.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+    graphs = partition_graphs(lambda: pm.train_on_batch(x, y))
+    nodes = {n.name: n for g in graphs for n in g.node}
+    reads = collections.Counter()  # the optimizer's (the loss metric's are read beside the loss)
+    for n in nodes.values():
+        source = nodes.get(n.input[0].split(":")[0]) if n.op == "_Send" and n.input else None
+        if source is None or not source.name.startswith(f"{pm.optimizer.name}/"):
+            continue
+        if source.op == "ReadVariableOp" and same_device(source.device, cpu_devices[0]):
+            reads[n.attr["recv_device"].s.decode()[-5:]] += 1
+    weights = [len(c.trainable_variables) for c in pm.cells]
+    assert weights[1] > 2 and weights[2] > 2  # once per weight would show
+    assert reads == {"CPU:1": 2, "CPU:2": 2}, reads
+
+
 def test_update_waits_for_every_gradient_through_one_op(cpu_devices):
     """The update starts once every gradient is made, and each of its ops waits through
     one control edge, not one per gradient or per device: a loop step's summed gradients

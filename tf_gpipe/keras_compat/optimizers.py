@@ -4,6 +4,7 @@ slot and update on its variable's device.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import keras
@@ -67,14 +68,34 @@ def update_on_variable_device(optimizer: Any) -> None:
     assigns) under ``tf.device`` of the variable. Keras runs it inside the default
     strategy's ``extended.update``, which sets no device. Wraps the instance's
     ``update_step(gradient, variable, learning_rate)``, which every Keras optimizer
-    implements and calls once per variable."""
+    implements and calls once per variable, and hands it the step count read once per
+    device through ``BaseOptimizer._iterations``, which ``iterations`` reads."""
     if optimizer is None or getattr(optimizer, "_tf_gpipe_update_placed", False):
         return
-    original = private_attribute(optimizer, "update_step", "run each variable's update on its device")
+    why = "run each variable's update on its device"
+    original = private_attribute(optimizer, "update_step", why)
+    steps = private_attribute(optimizer, "_iterations", why)
+    # The step count and the learning rate (a variable's, or a schedule's value) read once
+    # per device and step graph: each update reading them anew would copy both from their
+    # device (device 0), twice per variable. Read before the step's increment, as Keras'
+    # own reads are (``apply`` adds 1 after every update).
+    read: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def update_step(gradient, variable, learning_rate):
-        with tf.device(variable_device(variable)):
-            return original(gradient, variable, learning_rate)
+        device = variable_device(variable)
+        with tf.device(device):
+            if tf.executing_eagerly():
+                return original(gradient, variable, learning_rate)
+            per_device = read.setdefault(tf.compat.v1.get_default_graph(), {})
+            if device not in per_device:
+                per_device[device] = (tf.identity(steps), tf.identity(learning_rate))
+            count, learning_rate = per_device[device]
+            # The update reads ``iterations`` (from ``_iterations``): the value read here.
+            object.__setattr__(optimizer, "_iterations", count)
+            try:
+                return original(gradient, variable, learning_rate)
+            finally:
+                object.__setattr__(optimizer, "_iterations", steps)
 
     optimizer.update_step = update_step
     optimizer._tf_gpipe_update_placed = True
