@@ -482,6 +482,19 @@ def test_report_lists_the_candidates_and_the_reason():
     assert "... " in p.report(limit=3) and len(p.report(limit=3)) < len(text)
 
 
+def test_report_shows_each_split_half_as_the_timeline_runs_it():
+    """zb-h1, re-materialized: the chosen plan's B+W column is each stage's B and W as the
+    simulation ran them (a stage's W reads its B's replay; stage 0's W replays)."""
+    prof = hand_profile(layers=4, act=1000.0, saved=4000.0, params=100)
+    p = plan_from_profile(prof, 2, 1e12, 16, schedules=["zb-h1"], remats=["always"], max_micro_batches=2)
+    c = p.chosen
+    timeline = predict.step_time(schedules.get("zb-h1", 2, c.num_micro_batches), c.stages, [True, True])[2]
+    ran = {(a.kind, a.stage): f"{(slot.end - slot.start) * 1e3:.3f}" for a, slot in timeline.slots.items()}
+    table = p.report(limit=None).split("Stages of the chosen plan:")[1].split("Candidates (")[0]
+    shown = [w for line in table.splitlines() for w in line.split() if "+" in w and w[0].isdigit()]
+    assert shown == [f"{ran['B', s]}+{ran['W', s]}" for s in (0, 1)], table
+
+
 def _one_step_alike(unsplit, pm):
     """One SGD step of each on 10 examples (uneven micro-batches): the same weights after."""
     x, y = data(10)

@@ -276,14 +276,7 @@ def step_time(
             host["B"] = replayed("B", remat)
     fwd = [s.forward_s for s in stages]
     if schedule.split_backward:
-        wgt = [
-            s.weight_grad_s + s.forward_s if r and i == 0 else s.kept_weight_grad_s
-            for i, (s, r) in enumerate(zip(stages, remat))
-        ]
-        inp = [
-            s.input_grad_s + (s.forward_s if r and i > 0 else 0.0)
-            for i, (s, r) in enumerate(zip(stages, remat))
-        ]
+        inp, wgt = split_seconds(stages, remat)
         timeline = schedule.simulate(fwd, [b + w for b, w in zip(inp, wgt)], weight_cost=wgt, host_share=host)
     else:
         bwd = [s.backward_s + (s.forward_s if r else 0.0) for s, r in zip(stages, remat)]
@@ -291,6 +284,17 @@ def step_time(
     busy = sum(timeline.busy(d) for d in range(schedule.num_devices))
     total = schedule.num_devices * timeline.makespan
     return timeline.makespan, (total - busy) / total if total > 0 else 0.0, timeline
+
+
+def split_seconds(stages: Sequence[StageCost], remat: Sequence[bool]) -> tuple[list[float], list[float]]:
+    """Each stage's B and W seconds under a split schedule, as the engine runs them: a
+    re-materialized stage's B replays its forward, and its W reads that replay, but on the
+    first stage, which has no B: its W replays the stage."""
+    inp, wgt = [], []
+    for i, (s, r) in enumerate(zip(stages, remat)):
+        inp.append(s.input_grad_s + (s.forward_s if r and i > 0 else 0.0))
+        wgt.append(s.weight_grad_s + s.forward_s if r and i == 0 else s.kept_weight_grad_s)
+    return inp, wgt
 
 
 def static_bytes(stage: StageCost, optimizer_slots: int, num_micro_batches: int) -> float:

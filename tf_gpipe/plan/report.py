@@ -9,7 +9,7 @@ from typing import Any
 
 from tf_gpipe import schedules
 from tf_gpipe.model import PipelineModel
-from tf_gpipe.plan.predict import UpdateCost, static_bytes
+from tf_gpipe.plan.predict import UpdateCost, split_seconds, static_bytes
 from tf_gpipe.plan.profile import ModelProfile
 from tf_gpipe.plan.search import Candidate, remat_flags
 
@@ -186,6 +186,7 @@ class Plan:
              "weights+state MiB", "peak MiB"]
         ]  # fmt: skip
         start = 0
+        halves = split_seconds(c.stages, flags)
         for s, (size, st) in enumerate(zip(c.balance, c.stages)):
             d = s % c.num_stages
             names = [p.name for p in self.profile.layers[start : start + size]]
@@ -195,10 +196,8 @@ class Plan:
             device = self.devices[d] if self.devices else str(d)
             replay = st.forward_s if flags[s] else 0.0
             bwd = f"{(st.backward_s + replay) * 1e3:.3f}"
-            if split:  # B + W, each replaying the forward when re-materialized (not B on stage 0)
-                b = st.input_grad_s + (replay if s > 0 else 0.0)
-                w = st.weight_grad_s + replay if flags[s] else st.kept_weight_grad_s
-                bwd = f"{b * 1e3:.3f}+{w * 1e3:.3f}"
+            if split:
+                bwd = f"{halves[0][s] * 1e3:.3f}+{halves[1][s] * 1e3:.3f}"
             rows.append(
                 [str(s), device, shown, f"{st.forward_s * 1e3:.3f}", bwd, _mib(stash),
                  _mib(static_bytes(st, self.optimizer_slots, c.num_micro_batches)), _mib(c.peak_bytes[d])]
