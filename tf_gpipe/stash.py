@@ -142,29 +142,28 @@ def forward(
     return outputs, out_mask, list(losses), list(before), kept, plan
 
 
-def replay(cell: Cell, record: Any, training: Any, arrived: list[Any], tracer: Any = None) -> bool:
+def replay(cell: Cell, record: Any, training: Any, arrived: list[Any], tracer: Any = None) -> None:
     """ZB-H1's B of a re-materialized stage: replay ``record``'s forward (``tf_gpipe.replay``)
     once the gradients ``arrived``, as the forward half of a split backward, and keep in
     ``record`` what its B reads (``record.kept``, ``record.plan``). Then the B and the W
     are a kept stage's (``forward(split=True)``): the W differentiates only the ops that read
     a weight, from the gradients the B hands on, and holds what it reads of the replay from
     the B to the W. Replayed in each half instead, the W would make the stage's activation
-    gradients a second time. False, and ``record`` unchanged, where the stage's backward is
-    not split (a weight read inside a loop, ``weight_split.halves``). ``tracer``: a timeline's
+    gradients a second time. ``record`` is left as it is where the stage's backward is not
+    split (a weight read inside a loop, ``weight_split.halves``). ``tracer``: a timeline's
     ``(Recorder, device, tag)``, marking the end of the replay."""
     inputs, mask, side = ordering.after(arrived, (record.inputs, record.mask, record.side))
     mb = MicroBatch(inputs, mask, side, None, training)
     fn, args = stage.functions(cell).replay_split_call(mb, record.pooled, record.before)
     made = _halved(cell, fn, args, mb)
     if made is None:
-        return False
+        return
     (outputs, _, losses, _, _), kept, plan = made
     if tracer is not None:
         recorder, device, tag = tracer
         mark = recorder.marker("replayed " + tag, device, tf.nest.flatten(outputs) + list(losses))
         kept = ordering.after([mark], kept)
     record.kept, record.plan = kept, plan
-    return True
 
 
 def _halved(
