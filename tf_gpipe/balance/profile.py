@@ -246,3 +246,26 @@ def median_times(
     if cpu is not None:
         cpu[:] = [float(statistics.median(spent[1 + warmup :])) for spent in used]
     return [float(statistics.median(record[1 + warmup :])) for record in times]
+
+
+def allocator_name(device: str) -> str | None:
+    """The name ``get_memory_info`` knows ``device`` by, or None where its allocator keeps no
+    statistics (CPU without ``TF_CPU_ALLOCATOR_USE_BFC=true``)."""
+    spec = tf.DeviceSpec.from_string(device)
+    name = f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
+    try:
+        tf.config.experimental.get_memory_info(name)
+    except ValueError:
+        return None
+    return name
+
+
+def allocator_peaks(steps: Sequence[Callable[[], tf.Tensor]], allocator: str) -> list[int]:
+    """Each step's allocator peak above what was allocated before it (its input included)."""
+    out = []
+    for step in steps:
+        tf.config.experimental.reset_memory_stats(allocator)
+        base = tf.config.experimental.get_memory_info(allocator)["current"]
+        step().numpy()
+        out.append(max(tf.config.experimental.get_memory_info(allocator)["peak"] - base, 0))
+    return out

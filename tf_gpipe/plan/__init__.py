@@ -18,9 +18,10 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import graph
+from tf_gpipe.balance.profile import allocator_name
 from tf_gpipe.plan import predict, profile, report, search  # noqa: F401  (predict: for readers)
 from tf_gpipe.plan.predict import UpdateCost
-from tf_gpipe.plan.profile import ModelProfile, allocator_name
+from tf_gpipe.plan.profile import ModelProfile
 from tf_gpipe.plan.report import Plan, PlanError
 from tf_gpipe.plan.search import REMATS, Candidate
 

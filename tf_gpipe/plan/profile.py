@@ -31,7 +31,15 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import keras_compat, weight_split
-from tf_gpipe.balance.profile import listed_layers, median_times, nbytes, run_unsplit, sandbox
+from tf_gpipe.balance.profile import (
+    allocator_name,
+    allocator_peaks,
+    listed_layers,
+    median_times,
+    nbytes,
+    run_unsplit,
+    sandbox,
+)
 from tf_gpipe.cell import layer_kwargs
 from tf_gpipe.partition import cuts_keeping, shared_weights, tied
 
@@ -277,29 +285,6 @@ def _fit_known(n1: int, v1: float | None, n2: int, v2: float | None) -> Affine |
     return None if v1 is None or v2 is None else Affine.fit(n1, v1, n2, v2)
 
 
-def allocator_name(device: str) -> str | None:
-    """The name ``get_memory_info`` knows ``device`` by, or None where its allocator keeps no
-    statistics (CPU without ``TF_CPU_ALLOCATOR_USE_BFC=true``)."""
-    spec = tf.DeviceSpec.from_string(device)
-    name = f"{spec.device_type or 'CPU'}:{spec.device_index or 0}"
-    try:
-        tf.config.experimental.get_memory_info(name)
-    except ValueError:
-        return None
-    return name
-
-
-def _peaks(steps: Sequence[Callable[[], tf.Tensor]], allocator: str) -> list[int]:
-    """Each step's allocator peak above what was allocated before it (its input included)."""
-    out = []
-    for step in steps:
-        tf.config.experimental.reset_memory_stats(allocator)
-        base = tf.config.experimental.get_memory_info(allocator)["current"]
-        step().numpy()
-        out.append(max(tf.config.experimental.get_memory_info(allocator)["peak"] - base, 0))
-    return out
-
-
 def _copy(t: Any) -> Any:
     return tf.identity(t) if isinstance(t, tf.Tensor) else t
 
@@ -406,7 +391,7 @@ def profile_layers(
             # Peaks of the ungated steps: gating's groups keep gradients alive in a
             # one-layer step that the pipeline's stages free, so the gated peaks read 20-25%
             # above what a Transformer's devices held, the ungated within 2-15%.
-            peaks = _peaks(ungated, allocator) if allocator else None
+            peaks = allocator_peaks(ungated, allocator) if allocator else None
             kept = [_kept(read.get_concrete_function(x).graph, marks) for read, marks, x in taped[1:]]
             w_held = [_weight_half(layer, mask, x) for layer, x, (_, mask, _) in timed[1:]]
         per_size.append((n, records, times, kept, peaks, cpu, w_held))
