@@ -204,7 +204,7 @@ def _halved(
         positions.append(at if t is not None else -1)
         at += t is not None
     trainable = [j for j in range(n) if weight_split.differentiable(graph_outputs[j].dtype)]
-    specs = _specs(graph_outputs[:n])
+    specs = weight_split.specs(graph_outputs[:n])
     if not split:
         plan = Plan(second, feeds, trainable, specs, slots, positions, variable_positions)
         return returned, keep.kept, plan
@@ -230,10 +230,6 @@ def _traced(cell: Cell, fn: Any, args: tuple) -> tuple[Any, list[Any], list[Any]
     at_handle = {id(h): len(flat_args) + i for i, h in enumerate(captured)}
     handle_ids = [id(keras_compat.backing_variable(v).handle) for v in cell.trainable_variables]
     return concrete, flat_args, captured, [at_handle.get(h, -1) for h in handle_ids]
-
-
-def _specs(tensors: list[tf.Tensor]) -> list[tf.TensorSpec]:
-    return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
 
 
 # Ops that read a variable and write nothing: a weight only these touch in the forward

@@ -77,7 +77,7 @@ def halves(
         got = gradients(trainable, inputs[:n_args] + reading, grad_ys)
         return got[:n_args] + [None if g is None else tf.convert_to_tensor(g) for g in got[n_args:]]
 
-    _, b, b_got = tf_compat.part_gradient(concrete, _specs(trainable), b_body)
+    _, b, b_got = tf_compat.part_gradient(concrete, specs(trainable), b_body)
     reached = [t for t, g in zip(reading, b_got[n_args:]) if g is not None]
     alone = [j for j, t in enumerate(outputs) if id(t) in only and differentiable(t.dtype)]
 
@@ -108,7 +108,7 @@ def halves(
         return [sparse.combine([back[k], *direct.get(id(t), [])], False) for k, t in enumerate(inputs)]
 
     # The W's forward also outputs what the B reads: the one forward the stage runs.
-    first, w, _ = tf_compat.part_gradient(concrete, _specs(reached + [outputs[j] for j in alone]), w_body)
+    first, w, _ = tf_compat.part_gradient(concrete, specs(reached + [outputs[j] for j in alone]), w_body)
     # What the W holds: the gradients the B hands it (one buffer where two ops share one), and
     # what it reads of the forward but the weights' values and constants, made again.
     handed = {id(g): g for g in b_got[n_args:] if g is not None}
@@ -127,7 +127,8 @@ def _nbytes(t: tf.Tensor) -> int:
     return int(np.prod(t.shape.as_list())) * t.dtype.size if t.shape.is_fully_defined() else 0
 
 
-def _specs(tensors: list[tf.Tensor]) -> list[tf.TensorSpec]:
+def specs(tensors: list[tf.Tensor]) -> list[tf.TensorSpec]:
+    """The specs of ``tensors`` (a traced function's): what a function of them takes."""
     return [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
 
 
