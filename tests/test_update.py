@@ -191,6 +191,34 @@ def test_every_keras_optimizer_updates_on_its_variables_devices(cpu_devices):
     assert not misplaced, f"optimizer ops on CPU:0, where no variable lives: {misplaced}"
 
 
+class _PerWeightRate(keras.optimizers.SGD):
+    """SGD handing each weight's update its own learning rate (a rate multiplier per
+    weight, as layer-wise rates are written): a rate read once per device must stay each
+    weight's own."""
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        for k, (g, v) in enumerate(zip(grads, trainable_variables)):
+            self.update_step(g, v, learning_rate * (k + 1))
+
+
+def test_each_weight_keeps_the_learning_rate_its_optimizer_hands_it(cpu_devices):
+    """Two weights on one device, updated with different learning rates, as Keras' own
+    apply_gradients updates them."""
+    rng = np.random.RandomState(0)
+    start = [rng.randn(3, 4).astype("float32"), rng.randn(4).astype("float32")]
+    ours, theirs = [keras.Variable(w) for w in start], [keras.Variable(w) for w in start]
+    move_variables(ours, cpu_devices[1])
+    opt, ref = (_PerWeightRate(0.1, name="per_weight_rate") for _ in "ab")
+    update.place_optimizer(opt, cpu_devices[1])
+    opt.build(ours)
+    ref.build(theirs)
+    ours_step, their_step = _steps(opt, ours, ref, theirs, [cpu_devices[1]] * 2)
+    g = [rng.randn(*w.shape).astype("float32") for w in start]
+    ours_step(*g)
+    their_step(*g)
+    assert_all_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
 def test_each_device_reads_the_step_count_and_learning_rate_once(cpu_devices):
     """Adam's update of each weight reads the step count and the learning rate, which live
     on device 0: read once per device and step, each crosses to a stage's device once, not

@@ -78,7 +78,9 @@ def update_on_variable_device(optimizer: Any) -> None:
     # The step count and the learning rate (a variable's, or a schedule's value) read once
     # per device and step graph: each update reading them anew would copy both from their
     # device (device 0), twice per variable. Read before the step's increment, as Keras'
-    # own reads are (``apply`` adds 1 after every update).
+    # own reads are (``apply`` adds 1 after every update). A rate is read per value the
+    # optimizer hands over (one, unless it gives weights rates of their own), kept with
+    # its read so that its id stays its own.
     read: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def update_step(gradient, variable, learning_rate):
@@ -86,10 +88,13 @@ def update_on_variable_device(optimizer: Any) -> None:
         with tf.device(device):
             if tf.executing_eagerly():
                 return original(gradient, variable, learning_rate)
-            per_device = read.setdefault(tf.compat.v1.get_default_graph(), {})
-            if device not in per_device:
-                per_device[device] = (tf.identity(steps), tf.identity(learning_rate))
-            count, learning_rate = per_device[device]
+            per_graph = read.setdefault(tf.compat.v1.get_default_graph(), {})
+            if device not in per_graph:
+                per_graph[device] = tf.identity(steps)
+            rate = (device, id(learning_rate))
+            if rate not in per_graph:
+                per_graph[rate] = (learning_rate, tf.identity(learning_rate))
+            count, learning_rate = per_graph[device], per_graph[rate][1]
             # The update reads ``iterations`` (from ``_iterations``): the value read here.
             object.__setattr__(optimizer, "_iterations", count)
             try:
