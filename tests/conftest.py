@@ -38,6 +38,10 @@ from tensorflow.python.framework import ops as _tf_ops  # noqa: E402
 # The modules' objects (~400k after importing TensorFlow and Keras) live as long as the
 # test run: keep them out of every full garbage collection (clear_session runs one).
 gc.freeze()
+# Tracing makes millions of short-lived objects: with CPython's default thresholds (700,
+# 10, 10) a worker ran ~6,000 collections over a third of the suite, 5% of its time; 20,000
+# allocations a young collection run a twentieth as many, the cycles still collected.
+gc.set_threshold(20_000, 20, 20)
 
 
 @pytest.fixture(scope="session")

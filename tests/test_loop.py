@@ -53,21 +53,14 @@ def _fit(make_layers, x, y, use_loop, monkeypatch, **kwargs):
     return pm, history.history["loss"], bool(calls)
 
 
-@pytest.mark.parametrize("case", ["tokens", "tokens_taped", "side_inputs"])
-def test_loop_gives_the_built_out_steps_results(case, monkeypatch):
+def test_loop_gives_the_built_out_steps_results_with_side_inputs(monkeypatch):
     """Loss, weights, BatchNormalization statistics and optimizer state after two epochs of
-    uneven and padded micro-batches equal those of the engine's built-out step. Taped (1F1B,
-    ``remat="never"``): the loop's calls read the packed handles, and the weight gradients,
-    an Embedding's rows among them, are taken w.r.t. those."""
-    if case == "tokens":
-        make, (x, y), kwargs = _token_layers, _token_data(), dict(num_stages=3)
-    elif case == "tokens_taped":
-        make, (x, y) = _token_layers, _token_data()
-        kwargs = dict(num_stages=3, schedule="1f1b", remat="never")
-    else:
-        data = side_data(29)
-        make, x, y = side_layers, data, np.arange(29) % 3
-        kwargs = dict(num_stages=3, side_inputs=("scale", "keep"))
+    uneven and padded micro-batches equal those of the engine's built-out step, with side
+    inputs every stage reads. (Token layers under every schedule and remat mode:
+    ``test_micro_batch_loop.test_the_loop_computes_what_the_built_out_step_does``.)"""
+    data = side_data(29)
+    make, x, y = side_layers, data, np.arange(29) % 3
+    kwargs = dict(num_stages=3, side_inputs=("scale", "keep"))
     looped, loss_l, used = _fit(make, x, y, True, monkeypatch, **kwargs)
     assert used
     built, loss_b, used = _fit(make, x, y, False, monkeypatch, **kwargs)

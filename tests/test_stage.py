@@ -136,6 +136,8 @@ def _step_functions(M, remat, depth):
     return sorted(names), len(graph.node)
 
 
+# One worker for the tests that read _step_functions' graphs: its cache is per process.
+@pytest.mark.xdist_group("step_functions")
 @pytest.mark.parametrize("remat", ["always", "never"])
 def test_step_graph_holds_stage_bodies_once(remat):
     """The step's graph holds the same function bodies for M=2 and M=6 (O(K), not O(K x M)):
@@ -148,6 +150,7 @@ def test_step_graph_holds_stage_bodies_once(remat):
     assert nodes_6 > nodes_2
 
 
+@pytest.mark.xdist_group("step_functions")
 @pytest.mark.parametrize("remat", ["always", "never"])
 def test_step_graph_grows_per_micro_batch_by_calls_not_per_weight(remat):
     """A micro-batch more adds a few ops per stage (the calls and the device chain), not one
@@ -488,6 +491,7 @@ def _xla_fit(schedule, remat):
 
 
 # 1f1b under XLA: test_jit_compile_true_matches_sequential; zb-h1 replays in both B and W.
+@pytest.mark.xdist_group("xla_fit")  # one worker: both read _xla_fit("gpipe", "never")
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_exact_replay_under_xla(schedule):
     """Under XLA the replay still draws the forward's dropout masks and moves BatchNorm

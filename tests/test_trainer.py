@@ -119,12 +119,12 @@ def test_train_on_batch_matches_keras(schedule, M, v, n, kind, weighted):
     assert_all_close(seq.get_weights(), pm.get_weights())
 
 
-@pytest.mark.parametrize(
-    "schedule,M,v", [("gpipe", 3, 1), ("1f1b", 3, 1), ("interleaved", 4, 2), ("zb-h1", 3, 1)]
-)
+# Interleaved stands for 1F1B too: the same per-micro-batch loss and loop code.
+@pytest.mark.parametrize("schedule,M,v", [("gpipe", 3, 1), ("interleaved", 4, 2), ("zb-h1", 3, 1)])
 def test_fit_with_unknown_batch_and_empty_micro_batches(schedule, M, v):
     # 17 examples in batches of 8: the last batch of 1 leaves empty micro-batches (and, under
-    # 1F1B, micro-batches without any valid token); its size is only known at run time.
+    # the per-micro-batch schedules, micro-batches without any valid token); its size is
+    # only known at run time.
     seq, pm = _pair("lstm", schedule, M, v)
     x, y, sw = _padded(17, seed=1)
     hist = []
