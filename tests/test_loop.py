@@ -19,27 +19,6 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CALLS = ("StatefulPartitionedCall", "PartitionedCall")
 
 
-def _token_layers():
-    """Rows (an Embedding's gradient), a Keras mask, dropout, deferred BatchNormalization
-    statistics and an activity regularizer (a loss a layer adds) in one model."""
-    keras.utils.set_random_seed(4)
-    return [
-        keras.layers.Embedding(40, 8, mask_zero=True),
-        keras.layers.Dropout(0.25, seed=1),
-        keras.layers.Dense(8, activation="relu", activity_regularizer=keras.regularizers.l2(1e-2)),
-        keras.layers.BatchNormalization(momentum=0.5),
-        keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(3),
-    ]
-
-
-def _token_data(n=29):
-    rng = np.random.RandomState(0)
-    x = rng.randint(1, 40, (n, 6)).astype("int32")
-    x[:, 4:] *= rng.rand(n, 2) > 0.5  # some padding (token 0) at the end
-    return x, rng.randint(0, 3, n)
-
-
 def _fit(make_layers, x, y, use_loop, monkeypatch, **kwargs):
     calls = []
     original = micro_batch_loop.run

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import TRAINED_TOL, assert_all_close, mlp_layers, partition_graphs, same_device
-from test_loop import _token_data, _token_layers
 
 import tf_gpipe
 from tf_gpipe import keras_compat, loop_state, micro_batch_loop, schedules, stash, trainer
@@ -69,6 +68,27 @@ def test_out_of_order_schedules_are_refused():
     order[first], order[second] = order[second], order[first]
     with pytest.raises(ValueError, match="out of micro-batch order"):
         waits(schedule)
+
+
+def _token_layers():
+    """Rows (an Embedding's gradient), a Keras mask, dropout, deferred BatchNormalization
+    statistics and an activity regularizer (a loss a layer adds) in one model."""
+    keras.utils.set_random_seed(4)
+    return [
+        keras.layers.Embedding(40, 8, mask_zero=True),
+        keras.layers.Dropout(0.25, seed=1),
+        keras.layers.Dense(8, activation="relu", activity_regularizer=keras.regularizers.l2(1e-2)),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3),
+    ]
+
+
+def _token_data(n=29):
+    rng = np.random.RandomState(0)
+    x = rng.randint(1, 40, (n, 6)).astype("int32")
+    x[:, 4:] *= rng.rand(n, 2) > 0.5  # some padding (token 0) at the end
+    return x, rng.randint(0, 3, n)
 
 
 def _fit(layers, x, y, batch_size, **kwargs):
