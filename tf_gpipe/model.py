@@ -401,6 +401,7 @@ class PipelineModel(keras.Model):
         self.compile(**config)
         trainer.make_state(self)
 
+    @tf.autograph.experimental.do_not_convert  # as trainer's steps: not rewritten in a tf.function
     def test_step(self, data: Any) -> dict:
         return trainer.test_step(self, data)
 
@@ -408,10 +409,12 @@ class PipelineModel(keras.Model):
         self._build_from_data(x)
         return super().predict(x, *args, **kwargs)
 
+    @tf.autograph.experimental.do_not_convert
     def predict_step(self, data: Any) -> Any:
         with untaped():
             return super().predict_step(data)
 
+    @tf.autograph.experimental.do_not_convert
     def train_step(self, data: Any) -> dict:
         """One mini-batch: the schedule's forwards and backwards stage by stage,
         gradients summed per device, one optimizer update, metrics on the whole batch."""

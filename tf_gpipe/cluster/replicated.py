@@ -109,9 +109,11 @@ class ReplicatedPipeline(keras.Model):
         if self.built:
             self._build_training_state()
 
+    @tf.autograph.experimental.do_not_convert  # as PipelineModel's steps
     def test_step(self, data: Any) -> dict:
         return trainer.test_step(self, data, self.replicas[0])
 
+    @tf.autograph.experimental.do_not_convert
     def train_step(self, data: Any) -> dict:
         if not self.built or self._all_reduce is None:
             raise ValueError(
