@@ -19,6 +19,7 @@ from tensorflow.python.eager import lift_to_graph
 
 import tf_gpipe
 from tf_gpipe import cluster, keras_compat, trainer
+from tf_gpipe import model as model_module
 
 N, BATCH = 23, 8  # three batches, the last of 7: uneven micro-batches (M=3)
 
@@ -152,13 +153,14 @@ def _converted_by_autograph() -> bool:
     return ag_ctx.control_status_ctx().status == ag_ctx.Status.ENABLED
 
 
-@pytest.mark.parametrize("entry", ["train_step", "test_step", "gradients", "replicated"])
+@pytest.mark.parametrize("entry", ["train_step", "test_step", "predict_step", "replicated"])
 def test_a_users_tf_function_runs_the_step_as_written(entry, cpu_devices, monkeypatch):
     """A step called inside a user's ``tf.function`` (AutoGraph on, the default): the library
     runs as written. AutoGraph rewrites every function outside TensorFlow and Keras it meets,
     module by module: a first trace of a 2-stage MLP's step took 14-16 s instead of 0.5."""
     seen = []
-    for owner, name in ((trainer, "run_schedule"), (keras_compat, "model_compute_loss")):
+    spied = ((trainer, "run_schedule"), (keras_compat, "model_compute_loss"), (model_module, "untaped"))
+    for owner, name in spied:
         original = getattr(owner, name)
         monkeypatch.setattr(
             owner, name, lambda *a, _f=original, **k: seen.append(_converted_by_autograph()) or _f(*a, **k)
@@ -169,11 +171,6 @@ def test_a_users_tf_function_runs_the_step_as_written(entry, cpu_devices, monkey
     else:
         pm = _pipeline(cpu_devices)
     x, y = data(N)
-    call = {
-        "train_step": pm.train_step,
-        "test_step": pm.test_step,
-        "gradients": lambda xy: trainer.gradients(pm, xy).loss,
-        "replicated": pm.train_step,
-    }[entry]
-    tf.function(call)((tf.constant(x[:8]), tf.constant(y[:8])))
+    step = getattr(pm, "train_step" if entry == "replicated" else entry)
+    tf.function(step)((tf.constant(x[:8]), tf.constant(y[:8])))
     assert seen and not any(seen), seen

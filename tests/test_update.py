@@ -426,7 +426,7 @@ def test_a_regularization_gradient_waits_for_the_weights_summed_gradient(cpu_dev
     pm.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = data(6)
     pm.build((None, 8))
-    step = tf.function(lambda x, y: trainer.gradients(pm, (x, y)).grads)
+    step = tf.function(lambda x, y: trainer.gradients(pm, (x, y)).grads, autograph=False)
     concrete = step.get_concrete_function(tf.constant(x), tf.constant(y))
     # Each kernel's gradient: the schedule's sum plus the regularization's.
     summed = set()

@@ -45,11 +45,6 @@ class Gradients(NamedTuple):
     batch_size: tf.Tensor
 
 
-# The steps run as written under a user's tf.function too. AutoGraph rewrites every function
-# outside TensorFlow and Keras that converted code calls: the library's Python would be
-# converted module by module on each trace (~10 s for a 2-stage MLP, over 600 functions),
-# for nothing, since its control flow is over Python values. Keras marks its steps alike.
-@tf.autograph.experimental.do_not_convert
 def train_step(model: Any, data: Any) -> dict:
     """One mini-batch: the schedule's forwards and backwards stage by stage,
     gradients summed per device, one optimizer update, metrics on the whole batch."""
@@ -57,7 +52,6 @@ def train_step(model: Any, data: Any) -> dict:
     return finish_step(model, data, step, model.trainable_weights, model.pipeline.cells[-1].device)
 
 
-@tf.autograph.experimental.do_not_convert
 def test_step(model: Any, data: Any, pipeline: Any = None) -> dict:
     """Keras' test step (``evaluate``), with the loss and the metrics beside the outputs, on
     the last stage's device, and each weight's regularization on its device, as in
@@ -125,7 +119,6 @@ def finish_step(
         return model.compute_metrics(structure.to_tensors(x), y, step.y_pred, sample_weight=sample_weight)
 
 
-@tf.autograph.experimental.do_not_convert
 def gradients(model: Any, data: Any, optimizer: Any = None, loss_model: Any = None) -> Gradients:
     """The schedule's forwards and backwards for one mini-batch ``data`` of ``model``
     (a PipelineModel): the loss, each trainable variable's gradient summed per device,
