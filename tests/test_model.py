@@ -117,7 +117,7 @@ def test_fit_with_regularizers_and_sample_weights():
     assert_all_close(seq.get_weights(), pm.get_weights(), rtol=1e-5, atol=1e-6)
 
 
-def test_steps_per_execution_runs_several_steps_in_one_call(schedule="1f1b"):
+def test_steps_per_execution_runs_several_steps_in_one_call():
     """``compile(steps_per_execution=4)``: Keras runs four pipeline steps inside one function
     call (its own loop around the step's loops); losses, metrics, weights, evaluate and
     predict as keras.Sequential's with the same setting, the last call holding fewer steps
@@ -127,7 +127,7 @@ def test_steps_per_execution_runs_several_steps_in_one_call(schedule="1f1b"):
         keras.utils.set_random_seed(5)
         return mlp_layers(width=16, depth=3)
 
-    seq, pm = pair(make, (None, 8), num_stages=2, num_micro_batches=3, schedule=schedule)
+    seq, pm = pair(make, (None, 8), num_stages=2, num_micro_batches=3, schedule="1f1b")
     x, y = data(53)
     results = []
     for model in (seq, pm):
