@@ -1,5 +1,7 @@
 """Functional models with skip connections, split into stages by from_model."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -448,3 +450,32 @@ def test_to_functional_needs_from_model():
     pm = tf_gpipe.PipelineModel([keras.Input((3,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match=r"list of layers: use model.to_sequential\(\)"):
         pm.to_functional()
+
+
+def test_a_mask_crosses_each_cut_as_in_the_unsplit_model():
+    """Embedding(mask_zero), its mask | Dense, LSTM | masked average, Dense: Keras' functional
+    graph passes the mask as a tensor of its own, which crosses both cuts (padding would otherwise
+    count), so Keras is not told that a stage, given a masked input, drops the mask."""
+
+    def masked():
+        keras.utils.set_random_seed(4)
+        tokens = keras.Input((7,), dtype="int32")
+        h = keras.layers.Embedding(20, 8, mask_zero=True)(tokens)
+        h = keras.layers.LSTM(6, return_sequences=True)(keras.layers.Dense(8, activation="tanh")(h))
+        return keras.Model(tokens, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+
+    ref = masked()
+    rng = np.random.RandomState(2)
+    x = rng.randint(1, 20, (11, 7)) * (np.arange(7) < rng.randint(2, 8, (11, 1)))  # padded tails
+    y = rng.randint(0, 3, 11)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = tf_gpipe.PipelineModel.from_model(masked(), balance=[2, 2, 2], num_micro_batches=3, schedule="1f1b")
+        assert_all_close(ref(x), pm(x))
+        ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        for m in (ref, pm):
+            m.compile(optimizer=keras.optimizers.Adam(0.02), loss=ce)
+        history = [m.fit(x, y, batch_size=11, epochs=2, shuffle=False, verbose=0).history for m in (ref, pm)]
+    assert not [w for w in caught if "mask" in str(w.message)], [str(w.message) for w in caught]
+    np.testing.assert_allclose(history[1]["loss"], history[0]["loss"], rtol=1e-5)
+    assert_all_close(ref.get_weights(), pm.get_weights(), rtol=1e-4, atol=1e-6)

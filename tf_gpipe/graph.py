@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from tf_gpipe import keras_compat, structure
+from tf_gpipe import keras_compat, structure, tf_compat
 from tf_gpipe.balance import solve_minmax
 from tf_gpipe.balance.profile import median_times, sandbox
 from tf_gpipe.partition import check_stages, cuts_keeping, default_balance, split_by_balance, tied, within
@@ -122,6 +122,12 @@ class GraphStage(keras.layers.Layer):
                 ops.append(node.operation)
         self.stage_ops = ops  # tracked: this stage owns these layers' weights
         self.built = True
+        # Its nodes read and set masks on the tensors themselves, as in the source model; left
+        # False, Keras would warn that a masked input's mask is destroyed, which it is not.
+        self.supports_masking = True
+
+    def compute_mask(self, inputs: Any, mask: Any = None) -> None:
+        return None  # the outputs carry the masks their nodes set
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         source = self._source()
@@ -262,5 +268,5 @@ def node_costs(model: keras.Model, method: str, batch_size: int = 32, repeats: i
                     [loss] + [tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads if g is not None]
                 )
 
-            steps.append(tf.function(step, autograph=False))
+            steps.append(tf_compat.function(step, autograph=False))
         return median_times(steps, warmup=1, repeats=repeats)
