@@ -352,3 +352,42 @@ def test_a_missing_forward_backward_pair_fails_loudly():
 
     with pytest.raises(tf_compat.TFCompatError, match="_delayed_rewrite_functions"):
         tf_compat.forward_backward(Bare())
+
+
+@pytest.fixture
+def fresh_tracing_counts(monkeypatch):
+    """TensorFlow's counts of recent traces, fresh: it warns at most twice per traced code
+    in a process, so an earlier test's warnings would leave nothing to see here."""
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function as pf
+
+    monkeypatch.setattr(pf, "_frequent_tracing_detector_manager", pf._FrequentTracingDetectorManager())
+
+
+def _retracing_warnings(caplog):
+    return [r for r in caplog.records if "triggered tf.function retracing" in r.getMessage()]
+
+
+def test_function_traces_once_per_instance_without_a_warning(fresh_tracing_counts, caplog):
+    """Six instances, each with its own function of the same method, each traced once: a plain
+    ``tf.function`` is warned of (the control), ``tf_compat.function`` not."""
+
+    class Plain:
+        def __init__(self):
+            self.f = tf.function(self.body)
+
+        def body(self, x):
+            return x + 1
+
+    class Compat(Plain):
+        def __init__(self):
+            self.f = tf_compat.function(self.body)
+
+        def body(self, x):  # code of its own: TensorFlow counts traces per code object
+            return x + 2
+
+    for kind in (Plain, Compat):
+        caplog.clear()
+        for _ in range(6):
+            kind().f(tf.constant(1.0))
+        assert bool(_retracing_warnings(caplog)) == (kind is Plain), (VERSION, kind.__name__)
+    assert hasattr(tf.function(lambda: 0), "_omit_frequent_tracing_warning"), VERSION

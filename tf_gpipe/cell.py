@@ -10,7 +10,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, tf_compat
 from tf_gpipe.batchnorm import batch_norm_layers
 
 __all__: list[str] = []
@@ -224,7 +224,7 @@ def _traced_call(layer: keras.layers.Layer, x: Any, kwargs: dict) -> Any:
         got["masks"] = tf.nest.map_structure(keras_tensor, masks)
         return [t for t in tf.nest.flatten(out) if t is not None]
 
-    tf.function(run, autograph=False).get_concrete_function(
+    tf_compat.function(run, autograph=False).get_concrete_function(
         tf.nest.map_structure(spec, x), tf.nest.map_structure(spec, kwargs)
     )
     for t, m in zip(tf.nest.flatten(got["out"]), tf.nest.flatten(got["masks"])):

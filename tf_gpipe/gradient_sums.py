@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import handles, replay
+from tf_gpipe import handles, replay, tf_compat
 from tf_gpipe.cell import Cell
 
 __all__: list[str] = []
@@ -49,9 +49,11 @@ class GradientSums:
         # inlined like that stage's forward, so each gradient is added, and freed, as soon as
         # the inlined backward makes it: as one call it would wait for all of them.
         options = dict(reduce_retracing=True, autograph=False, experimental_attributes={"_noinline": True})
-        self._add = tf.function(self._add_body, jit_compile=False, reduce_retracing=True, autograph=False)
-        self._zero = tf.function(self._zero_body, jit_compile=False, **options)
-        self._read = tf.function(self._read_body, jit_compile=False, **options)
+        self._add = tf_compat.function(
+            self._add_body, jit_compile=False, reduce_retracing=True, autograph=False
+        )
+        self._zero = tf_compat.function(self._zero_body, jit_compile=False, **options)
+        self._read = tf_compat.function(self._read_body, jit_compile=False, **options)
         if eager:  # compile(run_eagerly=True)
             self._add, self._zero, self._read = self._add_body, self._zero_body, self._read_body
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, tf_compat
 from tf_gpipe.cell import Cell
 
 __all__: list[str] = []
@@ -73,7 +73,7 @@ def batch_free(cell: Cell, inputs: Any, mask: Any, side: Any) -> frozenset[int]:
     specs = relaxed_specs((inputs, mask, side))
     try:
         with tf.device(cell.device):
-            traced = tf.function(probe, autograph=False).get_concrete_function(*specs)
+            traced = tf_compat.function(probe, autograph=False).get_concrete_function(*specs)
     except (ValueError, TypeError, NotImplementedError, tf.errors.OpError) as e:
         # Training worked without this trace; a layer that needs a known batch size
         # must not stop it, only be told what it costs.

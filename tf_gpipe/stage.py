@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_gpipe import gated, handles, keras_compat, py_functions, replay, scoped
+from tf_gpipe import gated, handles, keras_compat, py_functions, replay, scoped, tf_compat
 from tf_gpipe.batchnorm import DeferredStats
 from tf_gpipe.cell import Cell, attach_mask
 from tf_gpipe.gradient_sums import GradientSums
@@ -120,7 +120,7 @@ class StageFunctions:
         # optimizes would again hold K x M copies of each stage (the first step growing
         # with M). A call is one op that starts when all its inputs are ready.
         options = dict(reduce_retracing=True, autograph=False, experimental_attributes={"_noinline": True})
-        self._forward = tf.function(self._forward_body, jit_compile=jit_compile, **options)
+        self._forward = tf_compat.function(self._forward_body, jit_compile=jit_compile, **options)
         # The forward of a stage that is not re-materialized runs under a tape, and its
         # gradient is TensorFlow's backward of the call (gated inside: ``tf_gpipe.gated``).
         # As one call, that backward would hold every saved activation until it returns,
@@ -134,30 +134,30 @@ class StageFunctions:
         # first step failed. The stage's other functions keep XLA (a replay differentiates
         # its loop inside the function).
         taped = dict(jit_compile=jit_compile and not runs_loops(cell), reduce_retracing=True, autograph=False)
-        self._forward_taped = tf.function(self._forward_taped_body, **taped)
-        self._backward = tf.function(self._backward_body, jit_compile=jit_compile, **options)
+        self._forward_taped = tf_compat.function(self._forward_taped_body, **taped)
+        self._backward = tf_compat.function(self._backward_body, jit_compile=jit_compile, **options)
         # The same three, for ``inlined()`` callers (an XLA function is never inlined): their
         # bodies order themselves (``_run_forward``, ``_backward_body``), so a trace made for
         # one kind of caller is never the other's.
         inline = dict(reduce_retracing=True, autograph=False)
-        self._forward_inlined = tf.function(self._forward_body, jit_compile=jit_compile, **inline)
-        self._forward_taped_inlined = tf.function(self._forward_taped_body, **taped)
+        self._forward_inlined = tf_compat.function(self._forward_body, jit_compile=jit_compile, **inline)
+        self._forward_taped_inlined = tf_compat.function(self._forward_taped_body, **taped)
         # A taped forward without the gate, whose graph ``tf_gpipe.stash`` differentiates in
         # two parts (ZB-H1's B and W): the gate's one gradient would make both at once.
-        self._forward_split = tf.function(self._forward_split_body, **taped)
-        self._forward_split_inlined = tf.function(self._forward_split_body, **taped)
+        self._forward_split = tf_compat.function(self._forward_split_body, **taped)
+        self._forward_split_inlined = tf_compat.function(self._forward_split_body, **taped)
         # The replay as such a function: ZB-H1's B of a re-materialized stage replays the
         # stage once and its W differentiates only the ops that read a weight.
         # Built out, its halves are calls, as the backward they replace (``options``).
-        self._replay_split = tf.function(
+        self._replay_split = tf_compat.function(
             self._replay_split_body, **taped, experimental_attributes={"_noinline": True}
         )
-        self._replay_split_inlined = tf.function(self._replay_split_body, **taped)
+        self._replay_split_inlined = tf_compat.function(self._replay_split_body, **taped)
         # Per traced forward (``id``): the functions of its two halves (``tf_gpipe.weight_split``).
         self.split_halves: dict[int, Any] = {}
-        self._backward_inlined = tf.function(self._backward_body, jit_compile=jit_compile, **inline)
+        self._backward_inlined = tf_compat.function(self._backward_body, jit_compile=jit_compile, **inline)
         # Timeline markers are host callbacks, which XLA cannot compile.
-        self._backward_marked = tf.function(self._backward_body, jit_compile=False, **options)
+        self._backward_marked = tf_compat.function(self._backward_body, jit_compile=False, **options)
         if eager:  # compile(run_eagerly=True): the layers run op by op, for debugging
             self._forward, self._forward_taped = self._forward_body, self._forward_taped_body
             self._backward = self._backward_marked = self._backward_body

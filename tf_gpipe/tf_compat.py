@@ -40,6 +40,25 @@ def _private(module: str, name: str, why: str) -> Any:
     return found
 
 
+def function(python_function: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """``tf.function(python_function, **options)`` (or, without ``python_function``, its
+    decorator), without TensorFlow's warning of frequent retracing.
+
+    TensorFlow counts the traces of every ``tf.function`` made from the same code together
+    and, past five in ten calls, warns of a retracing bug. tf_gpipe makes one function per
+    stage, per layer it profiles, per optimizer it measures, each traced once per signature:
+    six stages called eagerly, or ``balance="time"`` over six layers, trip it with no bug to
+    find. Sets ``Function._omit_frequent_tracing_warning``, as TensorFlow does for the
+    functions it loads from a SavedModel; a release without it only warns again.
+    """
+    if python_function is None:
+        return lambda f: function(f, **options)
+    traced = tf.function(python_function, **options)
+    if hasattr(traced, "_omit_frequent_tracing_warning"):
+        traced._omit_frequent_tracing_warning = True
+    return traced
+
+
 def captured_source(t: Any) -> Any:
     """The outer value a traced function's placeholder ``t`` captures, or None.
 

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import keras_compat
+from tf_gpipe import keras_compat, tf_compat
 from tf_gpipe.cell import eager_build_scope, layer_kwargs
 
 __all__ = ["by_memory", "by_params", "by_time"]
@@ -172,7 +172,7 @@ def by_memory(
 def _grad_step(layer: keras.layers.Layer, mask: Any) -> Callable[[Any], tf.Tensor]:
     kwargs = layer_kwargs(layer, mask, True)
 
-    @tf.function(autograph=False)  # plain Python: nothing to convert
+    @tf_compat.function(autograph=False)  # plain Python: nothing to convert
     def step(x):
         watched = [t for t in tf.nest.flatten(x) if t is not None and t.dtype.is_floating]
         with tf.GradientTape() as tape:

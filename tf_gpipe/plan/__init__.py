@@ -17,7 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_gpipe import graph
+from tf_gpipe import graph, tf_compat
 from tf_gpipe.balance.profile import allocator_name
 from tf_gpipe.plan import predict, profile, report, search  # noqa: F401  (predict: for readers)
 from tf_gpipe.plan.predict import UpdateCost
@@ -72,7 +72,7 @@ def measure_update(optimizer: Any, device: str = "/device:CPU:0", shape=(512, 51
         fresh.build([weight])
 
         def step(copy: bool) -> Any:
-            @tf.function(autograph=False)
+            @tf_compat.function(autograph=False)
             def update():
                 # A copy is a gradient the update may overwrite, as the backward's own are.
                 fresh.apply_gradients([(total * 1.0 if copy else total.read_value(), weight)])

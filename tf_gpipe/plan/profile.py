@@ -30,7 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import keras_compat, weight_split
+from tf_gpipe import keras_compat, tf_compat, weight_split
 from tf_gpipe.balance.profile import (
     allocator_name,
     allocator_peaks,
@@ -147,7 +147,7 @@ class ModelProfile:
 def _forward_step(layer: keras.layers.Layer, mask: Any) -> Callable[[Any], tf.Tensor]:
     kwargs = layer_kwargs(layer, mask, True)
 
-    @tf.function(autograph=False)
+    @tf_compat.function(autograph=False)
     def step(x):
         flat = [t for t in tf.nest.flatten(layer(x, **kwargs)) if t is not None and t.dtype.is_floating]
         # One scalar that needs every output: nothing is pruned, and reading it waits for the device.
@@ -199,7 +199,7 @@ def _taped_step(
     allocator peak is read."""
     kwargs, marks = layer_kwargs(layer, mask, True), {}
 
-    @tf.function(autograph=False)
+    @tf_compat.function(autograph=False)
     def step(x):
         watched = [t for t in tf.nest.flatten(x) if t is not None and t.dtype.is_floating]
         watched = watched if input_grads else []
@@ -274,7 +274,7 @@ def _kept(graph: Any, marks: dict) -> tuple[int, bool, bool]:
 def _weight_half(layer: keras.layers.Layer, mask: Any, x: Any) -> int | None:
     """``weight_split.weight_half_bytes`` of the layer's forward on ``x``."""
     kwargs = layer_kwargs(layer, mask, True)
-    concrete = tf.function(lambda t: layer(t, **kwargs), autograph=False).get_concrete_function(x)
+    concrete = tf_compat.function(lambda t: layer(t, **kwargs), autograph=False).get_concrete_function(x)
     n_args = len([t for t in tf.nest.flatten(x) if t is not None])
     at = {id(h): n_args + i for i, h in enumerate(concrete.captured_inputs)}
     handles = [keras_compat.backing_variable(v).handle for v in layer.trainable_weights]
