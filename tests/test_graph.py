@@ -470,7 +470,9 @@ def test_a_mask_crosses_each_cut_as_in_the_unsplit_model():
     y = rng.randint(0, 3, 11)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pm = tf_gpipe.PipelineModel.from_model(masked(), balance=[2, 2, 2], num_micro_batches=3, schedule="1f1b")
+        pm = tf_gpipe.PipelineModel.from_model(
+            masked(), balance=[2, 2, 2], num_micro_batches=3, schedule="1f1b"
+        )
         assert_all_close(ref(x), pm(x))
         ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         for m in (ref, pm):
