@@ -75,7 +75,8 @@ class PipelineModel(keras.Model):
             bubble; at most K micro-batches in flight on every device; a
             re-materialized stage is replayed once, in the first half).
             All but ``"gpipe"`` compute the loss per micro-batch, so it must reduce by
-            ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``; a masked
+            ``"sum_over_batch_size"`` (Keras' default) or ``"sum"``, and a loss of
+            your own must be a mean over examples (each step checks it); a masked
             output's loss is exact, but not together with losses that layers
             add or with other outputs (use ``"gpipe"`` there).
         virtual_stages: v, chunks per device for ``"interleaved"``: layers are cut

@@ -11,6 +11,7 @@ import tensorflow as tf
 from tf_gpipe import (
     keras_compat,
     loop_choice,
+    loss_split,
     microbatch,
     ordering,
     regularization,
@@ -23,6 +24,9 @@ from tf_gpipe.engine import StepLoss, run_schedule
 from tf_gpipe.sparse import accumulate
 
 __all__: list[str] = []
+
+
+_GPIPE = "Use schedule='gpipe', which computes the loss once on the whole mini-batch."
 
 
 def shares(sizes: list[Any], batch_size: tf.Tensor) -> list[tf.Tensor]:
@@ -153,7 +157,8 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
         )
     exact = model.schedule != "gpipe"
     # A compute_loss override runs on each micro-batch, weighted by its share, and is
-    # checked against the whole mini-batch's (``_checked``): exact only for per-example means.
+    # checked against the whole mini-batch's (``loss_split.checked``): exact only for
+    # per-example means.
     custom = loss_model is model and _loss_per_micro_batch_override(model)
     main, side = model.separate_inputs(x)
     multiple_of = model.num_stages if model.schedule == "interleaved" else 1
@@ -198,7 +203,9 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
                 value = keras_compat.model_compute_loss(model, x_m, y_m, out, sw_m, training=True)
                 value, valid = value * tf.cast(share_m, value.dtype), None
             else:
-                value, valid = _micro_batch_loss(model, loss_model, y_m, out, mask, sw_m, n_m, batch_size)
+                value, valid = loss_split.micro_batch_loss(
+                    model, loss_model, y_m, out, mask, sw_m, n_m, batch_size
+                )
             if value.shape.rank:  # Keras leaves the loss of a 0-example batch unreduced
                 value = tf.reduce_sum(value)
             if nonempty is not None:  # a padded micro-batch's loss is not part of the batch's
@@ -253,19 +260,25 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
                 with tf.device(v.value.device):
                     state["direct"][i] = accumulate(state["direct"][i], g)
     loss = tf.add_n(state["loss"]) if len(state["loss"]) > 1 else state["loss"][0]
-    factor = _valid_factor(model, state["valid"], cell_losses) if state["valid"] else None
+    factor = loss_split.valid_factor(model, state["valid"], cell_losses) if state["valid"] else None
     if factor is not None:
         loss = loss * tf.cast(factor, loss.dtype)
     if deferred is not None:
         deferred.apply()
-    # The outputs merged, and the override checked on them, beside them: the default device
+    # The outputs merged, and the loss checked on them, beside them: the default device
     # would take every micro-batch's outputs (an LM's logits).
+    check, own = None, exact and not custom and loss_split.users_loss(loss_model)
     with tf.device(model.pipeline.cells[-1].device):
         y_pred = joint.merge(outs, out_masks)
         if custom:  # its whole-batch compute_loss updates the loss Mean per output
-            check = _checked(model, state["loss"], x, y, y_pred, sample_weight)
-        elif exact and keras_compat.compiled_loss_metrics(loss_model):
-            keras_compat.compiled_loss(loss_model)(y, y_pred, sample_weight)  # for the updates
+            whole = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=True)
+            what = f"{type(model).__name__}.compute_loss"
+            check = loss_split.checked(model, whole, state["loss"], y_pred, what, _GPIPE)
+        elif own or (exact and keras_compat.compiled_loss_metrics(loss_model)):
+            whole = keras_compat.compiled_loss(loss_model)(y, y_pred, sample_weight)  # and the updates
+            if own:
+                fix = f"Return one value per example from its call() (Keras averages them). {_GPIPE}"
+                check = loss_split.checked(model, whole, [loss], y_pred, f"The loss {own!r}", fix)
     if exact and not custom and reg.losses:  # once per mini-batch, not per micro-batch
         added = tf.add_n([keras_compat.aggregate_additional_loss(model, r) for r in reg.losses])
         loss = loss + tf.cast(added, loss.dtype)
@@ -286,7 +299,7 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
                 if term is not None:
                     total = accumulate(total, term)
         final.append(total)
-    if custom:  # nothing leaves this step (no update) unless the split loss was exact
+    if check is not None:  # nothing leaves this step (no update) unless the split loss was exact
         final, loss = ordering.after([check], (final, loss))
     return Gradients(final, loss, y_pred, batch_size)
 
@@ -302,44 +315,6 @@ def _overrides_compute_loss(model: Any) -> bool:
     return getattr(type(model), "compute_loss", None) is not keras.Model.compute_loss
 
 
-def _checked(model: Any, micro: list[tf.Tensor], x, y, y_pred, sample_weight) -> Any:
-    """An assertion that the micro-batches' weighted ``compute_loss`` values add up to its
-    value on the whole mini-batch.
-
-    Weighting each micro-batch's loss by its share n_m/N is exact for a mean over
-    examples, which arbitrary code cannot be proven to be; a loss that is not (a sum, a
-    masked mean, a statistic of the whole batch) gives another value on the whole
-    mini-batch, so the step fails before its gradients reach the optimizer. Non-finite
-    losses pass (Keras trains on them too).
-    """
-    whole = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=True)
-    total = tf.add_n(micro) if len(micro) > 1 else micro[0]
-    whole, total = tf.cast(whole, tf.float32), tf.cast(total, tf.float32)
-    # Rounding only: the same means, in another order. An override may compute in the
-    # outputs' dtype (or lower), so 16-bit outputs get room for their coarser rounding.
-    floats = {t.dtype for t in tf.nest.flatten(y_pred) + micro if structure.is_float(t)}
-    rtol = 6e-2 if tf.bfloat16 in floats else 1e-2 if tf.float16 in floats else 1e-3
-    scale = tf.add_n([tf.abs(tf.cast(v, tf.float32)) for v in micro]) + tf.abs(whole)
-    ok = tf.logical_or(
-        tf.abs(whole - total) <= rtol * scale + 1e-30,
-        tf.logical_not(tf.logical_and(tf.math.is_finite(whole), tf.math.is_finite(total))),
-    )
-    return tf.debugging.Assert(
-        ok,
-        [
-            f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and weights "
-            "each by its share n_m/N of the mini-batch, which is exact only when compute_loss is a "
-            f"mean over examples. {type(model).__name__}.compute_loss is not: on the whole "
-            "mini-batch it gives",
-            whole,
-            "but its micro-batches add up to",
-            total,
-            "(no update was made). Use schedule='gpipe', which computes the loss once on the "
-            "whole mini-batch.",
-        ],
-    )
-
-
 def _whole_batch_loss(model: Any, loss_model: Any, x, y, y_pred, sample_weight):
     """The loss of the whole mini-batch, as ``keras.Model.train_step`` computes it."""
     if loss_model is model:  # compute_loss, which a model may override
@@ -352,78 +327,6 @@ def _whole_batch_loss(model: Any, loss_model: Any, x, y, y_pred, sample_weight):
     if not terms:
         raise ValueError("tf_gpipe: no loss to compute; give `loss=` in compile().")
     return tf.add_n(terms) if len(terms) > 1 else terms[0]
-
-
-def _micro_batch_loss(model: Any, loss_model: Any, y_m, out_m, mask_m, sw_m, n_m, batch_size):
-    """The compiled loss of one micro-batch, weighted so the micro-batches sum to
-    the mini-batch loss (1F1B must start a backward before the batch is complete).
-
-    Returns ``(value, valid)``. ``valid`` is None, or, for a masked mean, the
-    micro-batch's valid mask positions as a fraction of all the mini-batch's mask
-    positions. Keras divides a masked loss by the mini-batch's count of valid
-    positions, known only once every forward is done; so ``value`` is then the
-    micro-batch's masked sum over the mini-batch's positions (a known constant, which
-    keeps gradients as small as an unmasked mean's for float16), and train_step
-    divides the loss and the summed gradients by the total valid fraction
-    (``_valid_factor``): linear, so exact.
-    """
-    compiled = keras_compat.compiled_loss(loss_model)
-    if compiled is None:
-        raise ValueError(
-            f"tf_gpipe: schedule={model.schedule!r} computes the loss per micro-batch and "
-            "needs `loss=` in compile() or a compute_loss override that is a mean over examples; "
-            "for any other loss use schedule='gpipe'."
-        )
-    value = compiled(y_m, out_m, sw_m)
-    reductions = {
-        getattr(getattr(fl, "loss", None), "reduction", "sum_over_batch_size")
-        for fl in keras_compat.flat_compiled_losses(loss_model)
-    }
-    if reductions <= {"sum"}:
-        return value, None
-    if not (
-        reductions <= {"sum_over_batch_size", "mean"}
-        or (sw_m is None and reductions <= {"sum_over_batch_size", "mean", "mean_with_sample_weight"})
-    ):
-        raise ValueError(
-            f"tf_gpipe: schedule={model.schedule!r} splits the loss over micro-batches, which "
-            f"needs reduction 'sum_over_batch_size' or 'sum' (got {sorted(map(str, reductions))}). "
-            "Use schedule='gpipe', which computes the loss on the whole mini-batch."
-        )
-    masks = [mk for mk in tf.nest.flatten(mask_m) if mk is not None]
-    if not masks:
-        share = tf.cast(n_m, value.dtype) / tf.cast(batch_size, value.dtype)
-        return value * share, None
-    if len(tf.nest.flatten(out_m)) > 1:
-        raise ValueError(
-            f"tf_gpipe: schedule={model.schedule!r} cannot yet split a mean loss over "
-            "micro-batches when the model has several outputs and one carries a Keras mask "
-            "(each output's loss is divided by its own count of valid positions). "
-            "Use schedule='gpipe', which computes the loss on the whole mini-batch."
-        )
-    mask = tf.cast(masks[0], value.dtype)
-    # Keras: value = sum(loss * weight * mask) / valid_m. Mask positions of the whole
-    # mini-batch: batch_size * positions per example (the same in every micro-batch).
-    per_example = tf.cast(tf.reduce_prod(tf.shape(mask)[1:]), value.dtype)
-    positions = tf.cast(batch_size, value.dtype) * per_example
-    valid = tf.reduce_sum(mask) / positions
-    return value * valid, valid
-
-
-def _valid_factor(model: Any, valid: list[tf.Tensor], cell_losses) -> tf.Tensor:
-    """1 / (the mini-batch's fraction of valid mask positions): what turns the summed
-    masked losses, and their gradients, into Keras' masked mean."""
-    if any(cell_losses):
-        # Their gradients share the backward passes with the masked loss's, and must
-        # not be divided.
-        raise ValueError(
-            f"tf_gpipe: schedule={model.schedule!r} cannot combine a masked loss (a Keras mask "
-            "on the outputs, e.g. from Embedding(mask_zero=True)) with losses that layers add "
-            "(activity regularizers, add_loss): the masked loss is normalized by the "
-            "mini-batch's count of valid positions, known only after the backward passes "
-            "have begun. Use schedule='gpipe', which computes the loss on the whole mini-batch."
-        )
-    return tf.math.divide_no_nan(tf.constant(1.0, valid[0].dtype), tf.add_n(valid))
 
 
 def _scale(g, factor):
