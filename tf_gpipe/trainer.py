@@ -277,7 +277,8 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
         elif own or (exact and keras_compat.compiled_loss_metrics(loss_model)):
             whole = keras_compat.compiled_loss(loss_model)(y, y_pred, sample_weight)  # and the updates
             if own:
-                fix = f"Return one value per example from its call() (Keras averages them). {_GPIPE}"
+                fix = "Return one value per example from its call() (Keras averages them), with no "
+                fix += f"random draws. {_GPIPE}"
                 check = loss_split.checked(model, whole, [loss], y_pred, f"The loss {own!r}", fix)
     if exact and not custom and reg.losses:  # once per mini-batch, not per micro-batch
         added = tf.add_n([keras_compat.aggregate_additional_loss(model, r) for r in reg.losses])
