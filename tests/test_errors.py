@@ -398,3 +398,19 @@ def test_a_stateful_rnn_is_refused_with_the_fix():
     model = keras.Model(x, keras.layers.Dense(2)(inner(h)))
     with pytest.raises(ValueError, match=r"'inner_gru'.*stateful=True"):
         PipelineModel.from_model(model, num_stages=2)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda d: tf.distribute.MirroredStrategy(d[:2]), lambda d: tf.distribute.OneDeviceStrategy(d[0])]
+)
+def test_made_inside_a_distribution_strategy_scope_is_refused_with_the_fix(make, cpu_devices):
+    """A strategy's variables are mirrored over its devices, not placed per stage: under
+    MirroredStrategy the first step failed deep inside Keras (DistributedVariable.handle)."""
+    strategy = make(cpu_devices)
+    with strategy.scope():
+        with pytest.raises(ValueError, match=r"inside \w+Strategy's scope.*outside.*ReplicatedPipeline"):
+            PipelineModel(_dense(3), num_stages=2, devices=cpu_devices[2:4])
+        inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+        with pytest.raises(ValueError, match=r"inside \w+Strategy's scope"):
+            PipelineModel.from_model(inner, num_stages=2)
+    PipelineModel(_dense(3), num_stages=2, devices=cpu_devices[2:4])  # outside: as ever

@@ -100,3 +100,11 @@ def check_settings(
         isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1
     ):
         raise ValueError(f"tf_gpipe: num_stages must be an integer >= 1, got {num_stages!r}.")
+    if tf.distribute.has_strategy():  # its variables would be mirrored over its devices, not ours
+        raise ValueError(
+            f"tf_gpipe: a PipelineModel is being made inside {type(tf.distribute.get_strategy()).__name__}"
+            "'s scope. A PipelineModel places each stage's variables and ops on the stage's own "
+            "device, which a tf.distribute strategy's variables cannot follow. Make it outside "
+            "the scope; for data parallelism over pipelines use "
+            "tf_gpipe.cluster.ReplicatedPipeline (docs/cluster.md)."
+        )
