@@ -481,6 +481,26 @@ def test_flat_compiled_losses_name_each_outputs_loss():
     assert entry.loss.reduction == "sum", f"{VERSION}: {entry}"
 
 
+def test_loss_code_is_a_wrapped_function_or_the_loss_class():
+    def worst(y_true, y_pred):
+        return tf.reduce_max(y_true - y_pred)
+
+    class Own(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            return y_true - y_pred
+
+    inp = keras.Input((2,))
+    model = keras.Model(inp, {"a": keras.layers.Dense(1)(inp), "b": keras.layers.Dense(1)(inp), "c": inp})
+    model.compile(optimizer="sgd", loss={"a": worst, "b": "mse", "c": Own()})
+    y = {"a": tf.ones((1, 1)), "b": tf.ones((1, 1)), "c": tf.ones((1, 2))}
+    keras_compat.compiled_loss(model)(
+        y, {"a": tf.ones((1, 1)), "b": tf.ones((1, 1)), "c": tf.ones((1, 2))}, None
+    )
+    codes = [keras_compat.loss_code(entry.loss) for entry in keras_compat.flat_compiled_losses(model)]
+    assert codes[0] is worst and codes[2] is Own, f"{VERSION}: {codes}"
+    assert codes[1].__module__.startswith("keras."), f"{VERSION}: {codes[1]} ({codes[1].__module__})"
+
+
 def test_compiled_loss_metrics_are_a_loss_mean_per_output():
     inp = keras.Input((2,))
     model = keras.Model(inp, {"a": keras.layers.Dense(1)(inp), "b": keras.layers.Dense(1)(inp)})

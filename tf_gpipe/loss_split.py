@@ -97,7 +97,7 @@ def users_loss(loss_model: Any) -> str | None:
     """
     for fl in keras_compat.flat_compiled_losses(loss_model):
         loss = getattr(fl, "loss", None)
-        code = getattr(loss, "fn", None) or type(loss)  # a LossFunctionWrapper's function
+        code = keras_compat.loss_code(loss)
         if not getattr(code, "__module__", "").startswith("keras."):
             return str(getattr(code, "__name__", None) or getattr(loss, "name", code))
     return None

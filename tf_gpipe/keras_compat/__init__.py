@@ -43,6 +43,7 @@ from tf_gpipe.keras_compat.models import (
     flat_compiled_losses,
     functional_nodes,
     inputs_structure,
+    loss_code,
     loss_tracker,
     losses_listed,
     model_compute_loss,

@@ -136,6 +136,19 @@ def flat_compiled_losses(model: keras.Model) -> list:
     return list(private_attribute(loss, "_flat_losses", "check the reduction of each compiled loss") or [])
 
 
+def loss_code(loss: Any) -> Any:
+    """The code a compiled loss runs: the function a ``LossFunctionWrapper`` wraps (a
+    function given to ``compile``, or one of Keras' own), else the ``Loss``'s class.
+
+    Whose code it is (Keras', or the user's) decides whether a loss split over
+    micro-batches is checked against the whole mini-batch. Uses
+    ``keras.src.losses.losses.LossFunctionWrapper`` and its ``fn``.
+    """
+    why = "tell a loss function given to compile() from Keras' own"
+    wrapper = private_attribute(private_module("keras.src.losses.losses", why), "LossFunctionWrapper", why)
+    return private_attribute(loss, "fn", why) if isinstance(loss, wrapper) else type(loss)
+
+
 def compiled_loss_metrics(model: keras.Model) -> list | None:
     """The metrics the compiled loss updates each time it is called (Keras keeps a loss
     ``Mean`` per output of a model with several), or None before its first call builds it.
