@@ -405,3 +405,25 @@ def test_six_stages_called_eagerly_and_timed_log_no_retracing_warning(cpu_device
         loss = tf.reduce_sum(pm(x, training=True))
     assert all(g is not None for g in tape.gradient(loss, pm.trainable_variables))
     assert not [r for r in caplog.records if "retracing" in r.getMessage()]
+
+
+def test_eager_calls_trace_each_stage_function_once_per_signature(cpu_devices):
+    """What makes TensorFlow's retracing warning a false alarm here (it is off for the
+    library's functions): calls that repeat a shape trace nothing again."""
+    layers = [keras.Input((4,))] + [keras.layers.Dense(4) for _ in range(6)]
+    pm = tf_gpipe.PipelineModel(layers, num_stages=3, num_micro_batches=3)
+    x = np.ones((7, 4), "float32")  # micro-batches of 3, 2 and 2
+
+    def traces():
+        fns = [f for cell in pm.cells for s in cell.stage_functions.values() for f in vars(s).values()]
+        return [
+            f.experimental_get_tracing_count() for f in fns if hasattr(f, "experimental_get_tracing_count")
+        ]
+
+    for training in (False, True):
+        pm(x, training=training)
+        before = traces()
+        assert sum(before) > 0
+        pm(x, training=training)
+        pm(x + 1.0, training=training)
+        assert traces() == before, (training, before, traces())
