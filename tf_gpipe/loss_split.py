@@ -103,15 +103,18 @@ def users_loss(loss_model: Any) -> str | None:
     return None
 
 
-def checked(model: Any, whole: tf.Tensor, parts: list[tf.Tensor], y_pred: Any, what: str, fix: str) -> Any:
+def checked(
+    model: Any, whole: tf.Tensor, parts: list[tf.Tensor], y_pred: Any, what: str, fix: str = ""
+) -> Any:
     """An assertion that the micro-batches' weighted losses ``parts`` add up to ``whole``,
     the same loss on the whole mini-batch.
 
     Weighting each micro-batch's loss by its share n_m/N is exact for a mean over
     examples, which arbitrary code (``what``) cannot be proven to be; a loss that is not
     (a sum, a masked mean, a statistic of the whole batch) gives another value on the
-    whole mini-batch, so the step fails before its gradients reach the optimizer.
-    Non-finite losses pass (Keras trains on them too).
+    whole mini-batch, so the step fails before its gradients reach the optimizer, saying
+    ``fix`` and that ``"gpipe"`` takes any loss. Non-finite losses pass (Keras trains on
+    them too).
     """
     total = tf.add_n(parts) if len(parts) > 1 else parts[0]
     whole, total = tf.cast(whole, tf.float32), tf.cast(total, tf.float32)
@@ -133,6 +136,7 @@ def checked(model: Any, whole: tf.Tensor, parts: list[tf.Tensor], y_pred: Any, w
             whole,
             "but its micro-batches add up to",
             total,
-            f"(no update was made). {fix}",
+            f"(no update was made). {fix}Use schedule='gpipe', which computes the loss once on the "
+            "whole mini-batch.",
         ],
     )

@@ -26,9 +26,6 @@ from tf_gpipe.sparse import accumulate
 __all__: list[str] = []
 
 
-_GPIPE = "Use schedule='gpipe', which computes the loss once on the whole mini-batch."
-
-
 def shares(sizes: list[Any], batch_size: tf.Tensor) -> list[tf.Tensor]:
     """Each micro-batch's share n_m / N of the mini-batch.
 
@@ -273,12 +270,14 @@ def _scheduled(model, x, y, sample_weight, opt, loss_model, reg: regularization.
         if custom:  # its whole-batch compute_loss updates the loss Mean per output
             whole = keras_compat.model_compute_loss(model, x, y, y_pred, sample_weight, training=True)
             what = f"{type(model).__name__}.compute_loss"
-            check = loss_split.checked(model, whole, state["loss"], y_pred, what, _GPIPE)
+            check = loss_split.checked(model, whole, state["loss"], y_pred, what)
         elif own or (exact and keras_compat.compiled_loss_metrics(loss_model)):
             whole = keras_compat.compiled_loss(loss_model)(y, y_pred, sample_weight)  # and the updates
             if own:
-                fix = "Return one value per example from its call() (Keras averages them), with no "
-                fix += f"random draws. {_GPIPE}"
+                fix = (
+                    "Return one value per example from its call() (Keras averages them), with no "
+                    "random draws. "
+                )
                 check = loss_split.checked(model, whole, [loss], y_pred, f"The loss {own!r}", fix)
     if exact and not custom and reg.losses:  # once per mini-batch, not per micro-batch
         added = tf.add_n([keras_compat.aggregate_additional_loss(model, r) for r in reg.losses])
