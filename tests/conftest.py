@@ -50,6 +50,16 @@ def cpu_devices():
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
+@pytest.fixture
+def fresh_tracing_counts(monkeypatch):
+    """TensorFlow's counts of recent traces, fresh: it warns of frequent retracing at most
+    twice per traced code in a process, so an earlier test's warnings would leave nothing
+    to see in this one."""
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function as pf
+
+    monkeypatch.setattr(pf, "_frequent_tracing_detector_manager", pf._FrequentTracingDetectorManager())
+
+
 @pytest.fixture(autouse=True)
 def _forget_custom_gradients():
     # Every trace through tf.custom_gradient (tf_gpipe's re-materialization, Keras' ops)

@@ -392,12 +392,11 @@ def test_rnn_with_mask_in_a_later_stage():
         assert_all_close([tf.convert_to_tensor(g) for g in g1], [tf.convert_to_tensor(g) for g in g2])
 
 
-def test_six_stages_called_eagerly_and_timed_log_no_retracing_warning(cpu_devices, caplog, monkeypatch):
+def test_six_stages_called_eagerly_and_timed_log_no_retracing_warning(
+    cpu_devices, caplog, fresh_tracing_counts
+):
     """Each stage's functions trace once per signature, as do the per-layer ones that time a
     balance: TensorFlow, which counts traces per code, would call that a retracing bug."""
-    from tensorflow.python.eager.polymorphic_function import polymorphic_function as pf
-
-    monkeypatch.setattr(pf, "_frequent_tracing_detector_manager", pf._FrequentTracingDetectorManager())
     layers = [keras.Input((4,))] + [keras.layers.Dense(4) for _ in range(6)]
     pm = tf_gpipe.PipelineModel(layers, num_stages=6, num_micro_batches=3, balance="time")
     x = np.ones((7, 4), "float32")  # micro-batches of 3, 2 and 2

@@ -354,15 +354,6 @@ def test_a_missing_forward_backward_pair_fails_loudly():
         tf_compat.forward_backward(Bare())
 
 
-@pytest.fixture
-def fresh_tracing_counts(monkeypatch):
-    """TensorFlow's counts of recent traces, fresh: it warns at most twice per traced code
-    in a process, so an earlier test's warnings would leave nothing to see here."""
-    from tensorflow.python.eager.polymorphic_function import polymorphic_function as pf
-
-    monkeypatch.setattr(pf, "_frequent_tracing_detector_manager", pf._FrequentTracingDetectorManager())
-
-
 def _retracing_warnings(caplog):
     return [r for r in caplog.records if "triggered tf.function retracing" in r.getMessage()]
 
