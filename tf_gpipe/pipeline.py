@@ -82,7 +82,8 @@ def check_settings(
     virtual_stages: Any,
     num_stages: Any,
 ) -> None:
-    """Refuse ``PipelineModel`` arguments of the wrong kind, naming the argument and the fix."""
+    """Refuse ``PipelineModel`` arguments of the wrong kind, or a scope it cannot be made in,
+    naming the argument (or scope) and the fix."""
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
         raise ValueError(
             f"tf_gpipe: num_micro_batches must be an integer >= 1, got {num_micro_batches!r}; "
