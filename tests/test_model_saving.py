@@ -307,13 +307,14 @@ def _load_served(path):
     return tf.saved_model.load(str(path), options=options)
 
 
-def test_export_serves_what_the_model_predicts_each_stage_weights_on_its_device(tmp_path):
+def test_export_serves_what_the_model_predicts_each_stage_weights_on_its_device(tmp_path, cpu_devices):
     """``model.export(path)`` after ``fit`` alone (the model never called directly, so Keras
     cannot infer a signature): a SavedModel whose ``serve`` gives ``predict``'s outputs. It
     keeps each variable's device: loaded with TensorFlow's variable-device policy, every
     stage's weights sit on its stage's device, beside the ops that read them (loaded without
     it, TensorFlow puts them all on one device, which a GPU stage cannot read)."""
-    model = _trained("bn_dropout", 3)
+    # Three devices of their own on any machine (one GPU alone would take all three stages).
+    model = _trained("bn_dropout", 3, devices=cpu_devices[:3])
     model.export(str(tmp_path / "served"), verbose=False)
     served = _load_served(tmp_path / "served")
     placed = sorted((v.name, v.device) for v in served.variables)
